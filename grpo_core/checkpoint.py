@@ -1,0 +1,153 @@
+"""Training checkpoints: complete or absent, verified by checksum, found again after a crash.
+
+A checkpoint is a directory ``ckpt-<iteration:06d>/`` holding the model weights (safetensors),
+optimizer and scheduler state, RNG states and ``state.json`` (iteration, data position,
+counters), plus ``manifest.json`` with the size and sha256 of every file. It is written into a
+hidden temporary directory and renamed into place only after the manifest is written, so a
+crash or a full disk leaves the previous checkpoint intact. Loading verifies every checksum; a
+corrupt or truncated checkpoint is skipped with a warning and the previous one is used.
+Everything loads with ``weights_only=True`` (no pickle code execution).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from grpo_core import storage
+
+PREFIX = "ckpt-"
+MANIFEST = "manifest.json"
+
+
+def name_for(iteration: int) -> str:
+    return f"{PREFIX}{iteration:06d}"
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": list(_listify(random.getstate()))}
+
+
+def _listify(x):
+    return [_listify(v) for v in x] if isinstance(x, tuple) else x
+
+
+def _tuplify(x):
+    return tuple(_tuplify(v) for v in x) if isinstance(x, list) else x
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_tuplify(state["python"]))
+
+
+def save(ckpt_root: str | Path, iteration: int, model, optimizer, scheduler, state: dict) -> Path:
+    """Write ``ckpt-<iteration>`` atomically under ``ckpt_root`` and return its path."""
+    root = Path(ckpt_root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / name_for(iteration)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}."))
+    try:
+        module = model.module if hasattr(model, "module") else model
+        weights = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+        _save_weights(weights, tmp / "model.safetensors")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps({**state, "iteration": iteration}, indent=1))
+        manifest = {p.name: {"size": p.stat().st_size, "sha256": storage.sha256_file(p)}
+                    for p in sorted(tmp.iterdir())}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(f"could not write checkpoint {final} ({exc}); the previous checkpoint is "
+                      "intact. Free disk space or point output_dir elsewhere, then resume.") from exc
+    return final
+
+
+def _save_weights(weights: dict, path: Path) -> None:
+    # Tied weights (embeddings == lm_head) share storage; safetensors refuses shared tensors.
+    seen, out = {}, {}
+    for k, v in weights.items():
+        key = (v.data_ptr(), v.shape)
+        out[k] = v.clone() if key in seen else v
+        seen[key] = k
+    save_file(out, str(path))
+
+
+def verify(path: str | Path) -> bool:
+    """True when the manifest exists and every file matches its size and sha256."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    for name, meta in manifest.items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != meta["size"] or storage.sha256_file(f) != meta["sha256"]:
+            return False
+    return True
+
+
+def iteration_of(name: str) -> int:
+    return int(name[len(PREFIX):])
+
+
+def latest_local(ckpt_root: str | Path) -> Path | None:
+    """The newest verified checkpoint under a local directory (corrupt ones are skipped)."""
+    root = Path(ckpt_root)
+    names = sorted((n for n in storage.list_dirs(str(root)) if n.startswith(PREFIX)), reverse=True)
+    for name in names:
+        if verify(root / name):
+            return root / name
+        warnings.warn(f"checkpoint {root / name} failed its checksum check; using an older one")
+    return None
+
+
+def latest(locations: list[str], scratch: str | Path) -> Path | None:
+    """The newest verified checkpoint across storage locations (dirs or s3:// prefixes)."""
+    candidates = []
+    for loc in locations:
+        for name in storage.list_dirs(loc):
+            if name.startswith(PREFIX):
+                candidates.append((iteration_of(name), loc, name))
+    for it, loc, name in sorted(candidates, reverse=True):
+        local = Path(loc) / name if not storage.is_s3(loc) else Path(scratch) / f"{it:06d}-{abs(hash(loc))}"
+        if storage.is_s3(loc):
+            storage.get_dir(storage.join(loc, name), local)
+        if verify(local):
+            return local
+        warnings.warn(f"checkpoint {storage.join(loc, name)} is incomplete or corrupt "
+                      "(checksum mismatch); falling back to an older one")
+    return None
+
+
+def load(path: str | Path, model, optimizer, scheduler) -> dict:
+    """Restore model/optimizer/scheduler/RNG from a verified checkpoint; returns state.json."""
+    path = Path(path)
+    module = model.module if hasattr(model, "module") else model
+    module.load_state_dict(load_file(str(path / "model.safetensors")))
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    return json.loads((path / "state.json").read_text())
+
+
+def prune(ckpt_root: str | Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints (and stale temp dirs)."""
+    root = Path(ckpt_root)
+    names = sorted(n for n in storage.list_dirs(str(root)) if n.startswith(PREFIX))
+    for name in names[:-keep] if keep else []:
+        shutil.rmtree(root / name, ignore_errors=True)
+    for tmp in root.glob(f".{PREFIX}*"):
+        shutil.rmtree(tmp, ignore_errors=True)

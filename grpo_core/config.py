@@ -1,0 +1,367 @@
+"""One typed, validated config per stage, and the pipeline config that holds them.
+
+Configuration flows one way: TOML file -> Metaflow ``Config`` -> ``PipelineConfig.from_dict``
+-> the stage dataclasses below -> ``grpo_core``. Each field has its docstring once, right under
+it. ``from_dict`` rejects unknown fields and wrong types with a message naming the field, the
+allowed names/values and the fix; ``__post_init__`` checks ranges and combinations.
+``to_dict()`` is what gets logged to MLflow, whole.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+SCALES = ("group", "batch", "none")
+TASKS = ("arithmetic", "gsm8k")
+GATE_METRICS = ("eval_accuracy", "informative_frac", "reward")
+DEFAULT_REWARDS = ({"fn": "grpo_core.rewards:gsm8k_correctness", "weight": 1.0},)
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message names the field and the fix."""
+
+
+def _check_type(where: str, name: str, value, hint):
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if any(_matches(value, a) for a in typing.get_args(hint)):
+            return
+    elif _matches(value, hint):
+        return
+    raise ConfigError(f"{where}.{name} = {value!r} has type {type(value).__name__}; expected {hint}")
+
+
+def _matches(value, hint) -> bool:
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    origin = typing.get_origin(hint) or hint
+    return isinstance(value, origin)
+
+
+def from_dict(cls, data: dict, where: str):
+    """Build dataclass ``cls`` from ``data``, naming any unknown or mistyped field."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a table/dict, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown field {where}.{key}.{hint} Allowed fields: {', '.join(names)}")
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        value = data[name]
+        if dataclasses.is_dataclass(hints[name]):
+            value = from_dict(hints[name], value, f"{where}.{name}")
+        else:
+            _check_type(where, name, value, hints[name])
+            if hints[name] is float or (typing.get_origin(hints[name]) in (typing.Union, types.UnionType)
+                                        and float in typing.get_args(hints[name]) and isinstance(value, int)):
+                value = float(value)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required field is missing
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+def _require(cond: bool, where: str, msg: str):
+    if not cond:
+        raise ConfigError(f"{where}: {msg}")
+
+
+def _choice(value, allowed, where):
+    _require(value in allowed, where, f"{value!r} is not allowed; use one of {', '.join(map(str, allowed))}")
+
+
+@dataclass
+class GRPOConfig:
+    """One GRPO stage (the curriculum and GSM8K stages each get one)."""
+
+    model: str = ""
+    """Starting policy: hub id, local HF dir or s3:// URI."""
+    stage: str = "grpo"
+    """Stage name: used for metric prefixes, fault injection and MLflow child runs."""
+    task: str = "arithmetic"
+    """Training prompts: 'arithmetic' (generated curriculum) or 'gsm8k' (train split)."""
+    gsm8k_source: str = "openai/gsm8k"
+    """GSM8K hub id or a local dir with train.jsonl/test.jsonl (GSM8K_DIR overrides)."""
+    arith_ops: str = "+-*"
+    """Operators the arithmetic curriculum draws from."""
+    arith_min: int = 0
+    """Smallest operand of the arithmetic curriculum."""
+    arith_max: int = 20
+    """Largest operand of the arithmetic curriculum."""
+    rewards: list = field(default_factory=lambda: [dict(r) for r in DEFAULT_REWARDS])
+    """Reward functions: [{fn = 'package.module:function', weight = 1.0}] (code execution!)."""
+    trust_remote_code: bool = False
+    """Allow model code from the checkpoint; off unless you trust its source."""
+    group_size: int = 8
+    """G: completions sampled per prompt; the group's mean/std is the baseline."""
+    prompts_per_iter: int = 16
+    """Prompts per iteration across all ranks (must divide evenly across ranks)."""
+    iterations: int = 20
+    """Rollout + update iterations in this stage (the most, if a promotion gate is set)."""
+    mu: int = 1
+    """Updates per rollout batch; 1 is on-policy (old log-probs = detached current ones)."""
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_iters: int = 0
+    """Linear learning-rate warm-up iterations."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 disables clipping)."""
+    beta: float = 0.04
+    """KL coefficient (k3 estimator, per token); 0 skips the reference model entirely."""
+    clip_low: float = 0.2
+    """PPO clip epsilon below 1."""
+    clip_high: float | None = None
+    """PPO clip epsilon above 1 (DAPO clip-higher); None means clip_low."""
+    loss_type: str = "dapo"
+    """Token aggregation: grpo | bnpo | dapo | dr_grpo (see algorithm.grpo_loss)."""
+    scale: str = "group"
+    """Advantage scale: group std | batch std | none (Dr. GRPO)."""
+    adv_eps: float = 1e-4
+    """Epsilon added to the std in the advantage denominator."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are scored at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus filter; keep 1.0 so sampling matches the full-softmax log-probs."""
+    top_k: int = 0
+    """Top-k filter; 0 disables it (transformers' default of 50 would bias the loss)."""
+    max_new_tokens: int = 32
+    """Completion length cap; completions that hit it count as truncated."""
+    max_prompt_tokens: int = 512
+    """Prompts longer than this are an error naming the row (never silently cut)."""
+    mask_truncated: bool = False
+    """Exclude completions that hit max_new_tokens from the loss."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop all-equal groups and draw more prompts to refill."""
+    max_resample_rounds: int = 3
+    """Cap on extra sampling rounds per iteration with dynamic sampling."""
+    eval_every: int = 0
+    """Greedy held-out accuracy every N iterations (0: only at the end)."""
+    eval_size: int = 100
+    """Held-out items for periodic evaluation."""
+    eval_max_new_tokens: int = 0
+    """Generation cap for evaluation; 0 means max_new_tokens."""
+    gate_metric: str | None = None
+    """Promotion gate: stop the stage early when this metric reaches gate_threshold."""
+    gate_threshold: float = 1.0
+    """Threshold for gate_metric."""
+    gate_patience: int = 1
+    """Consecutive measurements at or above the threshold needed to promote."""
+    seed: int = 0
+    """Seed for prompts, sampling and init; each iteration reseeds from (seed, iteration, rank)."""
+    save_every: int = 10
+    """Checkpoint (and flush metrics to MLflow) every N iterations."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept; older ones are deleted after a new one is verified."""
+    sample_every: int = 10
+    """Log a table of sample completions every N iterations."""
+    output_dir: str = "outputs/grpo"
+    """Local working directory: metrics.jsonl, checkpoints, final model."""
+    sync_uri: str | None = None
+    """Storage URI (dir or s3://) where checkpoints and the final model are published."""
+    resume_from: list = field(default_factory=list)
+    """Storage URIs searched, in order, for the latest complete checkpoint to resume from."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI (rank 0 logs there)."""
+    tracking_run_id: str | None = None
+    """MLflow run id to log into (the stage's child run)."""
+    fail_at_iteration: int | None = None
+    """Fault injection for tests: raise after this iteration's checkpoint step."""
+
+    def __post_init__(self):
+        w = f"stage '{self.stage}'"
+        _choice(self.task, TASKS, f"{w}.task")
+        _choice(self.loss_type, LOSS_TYPES, f"{w}.loss_type")
+        _choice(self.scale, SCALES, f"{w}.scale")
+        _require(self.group_size >= 2, f"{w}.group_size", f"{self.group_size} < 2: a group needs at least "
+                 "two samples for a baseline; set group_size >= 2")
+        for name in ("prompts_per_iter", "iterations", "mu", "max_new_tokens", "save_every",
+                     "max_prompt_tokens", "keep_checkpoints", "eval_size", "sample_every"):
+            _require(getattr(self, name) >= 1, f"{w}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "temperature", "top_p"):
+            v = getattr(self, name)
+            _require(math.isfinite(v) and v > 0, f"{w}.{name}", f"must be a finite number > 0, got {v}")
+        for name in ("beta", "clip_low", "weight_decay", "max_grad_norm", "adv_eps"):
+            v = getattr(self, name)
+            _require(math.isfinite(v) and v >= 0, f"{w}.{name}", f"must be >= 0, got {v}")
+        _require(self.clip_high is None or self.clip_high >= 0, f"{w}.clip_high", "must be >= 0 or omitted")
+        _require(self.top_p <= 1.0, f"{w}.top_p", f"must be <= 1.0, got {self.top_p}")
+        _require(self.top_k >= 0 and self.warmup_iters >= 0 and self.eval_every >= 0,
+                 w, "top_k, warmup_iters and eval_every must be >= 0")
+        _require(self.arith_min <= self.arith_max, f"{w}.arith_min", "must be <= arith_max")
+        _require(bool(self.arith_ops) and set(self.arith_ops) <= set("+-*"), f"{w}.arith_ops",
+                 f"{self.arith_ops!r}: use a non-empty subset of '+-*'")
+        if self.gate_metric is not None:
+            _choice(self.gate_metric, GATE_METRICS, f"{w}.gate_metric")
+            _require(self.gate_metric != "eval_accuracy" or self.eval_every > 0, f"{w}.gate_metric",
+                     "'eval_accuracy' is measured only with eval_every > 0; set eval_every")
+        _require(self.loss_type == "grpo" or self.mu >= 1, w, "mu must be >= 1")
+        _require(bool(self.rewards), f"{w}.rewards", "needs at least one {fn, weight} entry")
+        for i, r in enumerate(self.rewards):
+            _require(isinstance(r, dict) and set(r) <= {"fn", "weight"} and "fn" in r,
+                     f"{w}.rewards[{i}]", f"{r!r}: each entry is {{fn = 'pkg.mod:func', weight = 1.0}}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class SFTConfig:
+    """The bootstrap SFT (local default) or the SFT checkpoint to start from."""
+
+    source: str = "bootstrap"
+    """'bootstrap' (build + SFT the tiny model here) or a hub id / local dir / s3:// URI."""
+    arch: str = "llama"
+    """Tiny model architecture for bootstrap: llama or qwen2."""
+    hidden: int = 64
+    """Tiny model hidden size."""
+    layers: int = 2
+    """Tiny model layers."""
+    heads: int = 4
+    """Tiny model attention heads."""
+    steps: int = 1200
+    """SFT optimizer steps."""
+    batch_size: int = 64
+    """SFT examples per step."""
+    lr: float = 3e-3
+    """SFT peak learning rate (cosine decay to 10%)."""
+    arith_ops: str = "+-*"
+    """Operators of the synthetic SFT arithmetic."""
+    arith_min: int = 0
+    """Smallest SFT operand."""
+    arith_max: int = 20
+    """Largest SFT operand."""
+    gsm8k_examples: int = 0
+    """GSM8K train rows mixed into SFT (their reasoning + answer in the tag format)."""
+    seed: int = 0
+    """SFT seed."""
+
+    def __post_init__(self):
+        _require(self.steps >= 0 and self.batch_size >= 1, "sft", "steps >= 0 and batch_size >= 1")
+        _require(self.lr > 0, "sft.lr", "must be > 0")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation of every stage's checkpoint."""
+
+    gsm8k_size: int = 100
+    """GSM8K test items (the first N; 0 for all 1,319; -1 skips GSM8K)."""
+    arith_size: int = 200
+    """Held-out arithmetic items (seeded apart from training)."""
+    max_new_tokens: int = 64
+    """Greedy generation cap."""
+    batch_size: int = 64
+    """Prompts per generate call."""
+
+
+@dataclass
+class RegisterConfig:
+    """Model Registry: name, promotion rule."""
+
+    model_name: str = "grpo-gsm8k"
+    """Registered model name."""
+    rule: str = "significant"
+    """Promotion rule: significant (paired McNemar p < alpha and better) | better | always."""
+    alpha: float = 0.05
+    """Significance level for the 'significant' rule."""
+    primary: str = "gsm8k_test"
+    """Evaluation set the champion comparison uses."""
+
+    def __post_init__(self):
+        _choice(self.rule, ("significant", "better", "always"), "register.rule")
+        _choice(self.primary, ("gsm8k_test", "arith_holdout"), "register.primary")
+
+
+@dataclass
+class ComputeConfig:
+    """Where training steps run."""
+
+    backend: str = "local"
+    """'local' (this machine) or 'kubernetes' (training steps get @kubernetes)."""
+    nproc_per_node: int = 2
+    """torchrun processes per training step (GPUs on a cluster)."""
+    gpu: int = 0
+    """GPUs per training pod (kubernetes)."""
+    cpu: int = 2
+    """CPUs per training pod."""
+    memory: int = 8192
+    """Memory per training pod, MB."""
+    image: str | None = None
+    """Container image for training pods."""
+    threads_per_proc: int = 1
+    """OMP/torch threads per torchrun process."""
+
+    def __post_init__(self):
+        _choice(self.backend, ("local", "kubernetes"), "compute.backend")
+        _require(self.nproc_per_node >= 1, "compute.nproc_per_node", "must be >= 1")
+        _require(self.backend != "kubernetes" or self.gpu == 0 or self.nproc_per_node == self.gpu,
+                 "compute.nproc_per_node", "must equal compute.gpu on kubernetes (one process per GPU)")
+
+
+@dataclass
+class PipelineConfig:
+    """Everything the flow needs: one table per stage plus compute/storage/tracking."""
+
+    name: str = "local"
+    """Config name (recorded in MLflow and the registry)."""
+    storage_root: str = ".grpo/artifacts"
+    """Checkpoints/models: a local dir (relative to the project) or s3://bucket/prefix."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; None: MLFLOW_TRACKING_URI, else a project-local sqlite db."""
+    experiment: str = "grpo"
+    """MLflow experiment name."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    curriculum: dict = field(default_factory=dict)
+    """GRPOConfig fields for the arithmetic curriculum stage."""
+    gsm8k: dict = field(default_factory=dict)
+    """GRPOConfig fields for the GSM8K stage."""
+    evaluate: EvalConfig = field(default_factory=EvalConfig)
+    register: RegisterConfig = field(default_factory=RegisterConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+
+    def __post_init__(self):
+        # Validate the stage tables now (fail fast in `start`), keep them as dicts for overrides.
+        for stage, task in (("curriculum", "arithmetic"), ("gsm8k", "gsm8k")):
+            table = {"stage": stage, "task": task, **getattr(self, stage)}
+            cfg = from_dict(GRPOConfig, {**table, "model": table.get("model", "validated-later")}, stage)
+            world = self.compute.nproc_per_node
+            _require(cfg.prompts_per_iter % world == 0, f"{stage}.prompts_per_iter",
+                     f"{cfg.prompts_per_iter} prompts cannot be split across {world} ranks "
+                     f"(compute.nproc_per_node); use a multiple of {world}")
+            setattr(self, stage, table)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PipelineConfig":
+        return from_dict(cls, json.loads(json.dumps(data)), "config")
+
+    def stage(self, name: str, **runtime) -> GRPOConfig:
+        """The validated GRPOConfig of one stage, with runtime fields (model, dirs, run ids)."""
+        return from_dict(GRPOConfig, {**getattr(self, name), **runtime}, name)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def gsm8k_source(configured: str) -> str:
+    """GSM8K_DIR (a local copy) wins over the configured hub id / path."""
+    return os.environ.get("GSM8K_DIR") or configured

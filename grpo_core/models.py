@@ -1,0 +1,152 @@
+"""Policy loading and saving, and the tiny offline model used by the local default and tests.
+
+A policy is a Hugging Face causal LM plus its tokenizer. It loads from a hub id, a local
+directory or an ``s3://`` URI (downloaded through ``storage`` first), always with safetensors
+and ``trust_remote_code`` off unless asked for. Since this machine cannot reach the hub,
+``build_tiny`` makes a real transformers architecture (Llama or Qwen2) with random weights and
+a character-level tokenizer built with ``tokenizers``: every character is a token, plus four
+added tokens for the ``<think>``/``<answer>`` tags so the output format is cheap to emit.
+
+    python -m grpo_core.models tiny --out /tmp/tiny --hidden 64 --layers 2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import string
+import tempfile
+from pathlib import Path
+
+import torch
+
+from grpo_core import storage
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
+# A plain-text chat template: the tiny model has no role tokens, and a template keeps the prompt
+# format identical between SFT, GRPO rollouts and evaluation (and travels with the tokenizer).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n"
+    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
+    "{% elif m['role'] == 'assistant' %}Assistant: {{ m['content'] }}{{ eos_token }}\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant: {% endif %}"
+)
+ARCHITECTURES = ("llama", "qwen2")
+
+
+def build_char_tokenizer():
+    """A character-level fast tokenizer (pad/eos/bos/unk, tag tokens, chat template)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + TAG_TOKENS + list(string.printable))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>", unk_token="<unk>", padding_side="left")
+    fast.add_tokens(TAG_TOKENS)  # matched before the per-character split
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny(arch: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
+               max_positions: int = 2048, seed: int = 0):
+    """A randomly initialised causal LM of a real transformers architecture + char tokenizer."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch={arch!r} is not supported for the tiny model; use one of {ARCHITECTURES}")
+    tok = build_char_tokenizer()
+    cls = LlamaConfig if arch == "llama" else Qwen2Config
+    cfg = cls(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden,
+              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+              max_position_embeddings=max_positions, pad_token_id=tok.pad_token_id,
+              eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model, tok
+
+
+def prepare_tokenizer(tok):
+    """Left padding for batched generation; pad falls back to eos when a tokenizer has none."""
+    if tok.eos_token_id is None:
+        raise ValueError("tokenizer has no eos_token; set one (tokenizer.eos_token = ...) so "
+                         "generation can stop")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def _local_model_dir(name_or_path: str) -> str:
+    if storage.is_s3(name_or_path):
+        cache = Path(tempfile.mkdtemp(prefix="grpo_model_"))
+        return str(storage.get_dir(name_or_path, cache))
+    if os.path.sep in name_or_path or name_or_path.startswith("."):
+        if not Path(name_or_path).is_dir():
+            raise FileNotFoundError(f"model path {name_or_path!r} does not exist; give a hub id, "
+                                    "a local directory or an s3:// URI")
+    return name_or_path  # a local dir or a hub id
+
+
+def load_policy(name_or_path: str, *, trust_remote_code: bool = False, dtype: str = "float32"):
+    """Load ``(model, tokenizer)`` from a hub id, a local dir or an ``s3://`` URI."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = _local_model_dir(str(name_or_path))
+    try:
+        tok = AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"could not load a tokenizer from {name_or_path!r}: {exc}") from exc
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            src, trust_remote_code=trust_remote_code, dtype=getattr(torch, dtype), use_safetensors=True)
+    except ValueError as exc:
+        raise ValueError(f"{name_or_path!r} is not a causal LM with safetensors weights "
+                         f"(AutoModelForCausalLM): {exc}") from exc
+    tok = prepare_tokenizer(tok)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
+def save_policy(model, tok, out_dir: str | Path) -> Path:
+    """Write an HF model dir (safetensors + tokenizer) atomically: temp dir, then rename."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    model = model.module if hasattr(model, "module") else model
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old.{os.getpid()}")
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        import shutil
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+    return out_dir
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("tiny", help="write a tiny random model + char tokenizer to --out")
+    t.add_argument("--out", required=True)
+    t.add_argument("--arch", default="llama", choices=ARCHITECTURES)
+    t.add_argument("--hidden", type=int, default=64)
+    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--heads", type=int, default=4)
+    t.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    model, tok = build_tiny(a.arch, a.hidden, a.layers, a.heads, seed=a.seed)
+    print(save_policy(model, tok, a.out))
+
+
+if __name__ == "__main__":
+    main()

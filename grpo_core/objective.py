@@ -1,0 +1,42 @@
+"""The objective card: exactly which GRPO objective a stage optimised, written beside its metrics.
+
+Implementations differ silently (std flavour, eps, loss normaliser, KL estimator and whether it
+is importance-weighted, scoring temperature, old log-prob recomputation); this card records
+our choices so two runs or two libraries can be compared honestly.
+"""
+from __future__ import annotations
+
+NORMALISERS = {
+    "grpo": "mean over each sequence's tokens, then mean over sequences (DeepSeekMath)",
+    "bnpo": "sum over masked tokens / masked-token count of the local batch",
+    "dapo": "sum over masked tokens / masked-token count of the global batch (all-reduced over ranks)",
+    "dr_grpo": "sum over masked tokens / (sequences x max_completion_length) (Dr. GRPO)",
+}
+SCALES = {"group": "(r - group mean) / (group std + eps)",
+          "batch": "(r - group mean) / (std of this rank's batch + eps)",
+          "none": "r - group mean (Dr. GRPO)"}
+
+
+def objective_card(cfg, world_size: int) -> dict:
+    clip_high = cfg.clip_low if cfg.clip_high is None else cfg.clip_high
+    return {
+        "loss_type": cfg.loss_type,
+        "normaliser": NORMALISERS[cfg.loss_type],
+        "advantage": SCALES[cfg.scale],
+        "advantage_std": "Bessel-corrected (n-1)",
+        "advantage_eps": cfg.adv_eps,
+        "surrogate": f"-min(r*A, clip(r, {1 - cfg.clip_low:g}, {1 + clip_high:g})*A), r = exp(logp - old_logp)",
+        "kl_estimator": "k3 = exp(ref - logp) - (ref - logp) - 1, per token, not importance-weighted"
+                        if cfg.beta > 0 else "none (beta = 0, no reference model)",
+        "beta": cfg.beta,
+        "scoring_temperature": cfg.temperature,
+        "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k},
+        "old_logp": "recomputed once per rollout batch (no grad)" if cfg.mu > 1
+                    else ("logp.detach() (on-policy, mu = 1): the ratio is exactly 1 in value, so the "
+                          "reported loss is ~beta*KL while its gradient is the policy gradient"),
+        "updates_per_batch": cfg.mu,
+        "truncated_completions": "masked out of the loss" if cfg.mask_truncated else "kept",
+        "dynamic_sampling": cfg.dynamic_sampling,
+        "world_size": world_size,
+        "reward_functions": cfg.rewards,
+    }

@@ -1,0 +1,173 @@
+"""Where checkpoints and models live: a local directory or an ``s3://`` prefix.
+
+Only this module talks to S3 (boto3, imported lazily). Everything above it speaks in URIs:
+``put_dir(local, uri)``, ``get_dir(uri, local)``, ``list_dirs(uri)``, ``read_text(uri)``.
+Local writes are atomic (write to a temporary sibling, then ``os.replace``), so a crash leaves
+either the old or the new content, never half of one. S3 uploads are verified by size before a
+caller may treat them as complete, and transient errors are retried by botocore's standard
+retry mode. The S3 endpoint comes from ``GRPO_S3_ENDPOINT_URL``, else ``AWS_ENDPOINT_URL``,
+else ``METAFLOW_S3_ENDPOINT_URL`` (so one emulator serves Metaflow and us), else AWS.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+S3_MAX_ATTEMPTS = 8  # botocore "standard" retry mode: exponential backoff on throttling/5xx/network
+
+
+def is_s3(uri: str) -> bool:
+    return str(uri).startswith("s3://")
+
+
+def join(root: str, *parts: str) -> str:
+    """Join URI parts with '/', keeping ``s3://`` intact."""
+    out = str(root).rstrip("/")
+    for p in parts:
+        out += "/" + str(p).strip("/")
+    return out
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    if not bucket:
+        raise ValueError(f"S3 URI {uri!r} has no bucket; use s3://BUCKET/PREFIX")
+    return bucket, key.strip("/")
+
+
+def s3_client():
+    import boto3
+    from botocore.config import Config
+
+    endpoint = (os.environ.get("GRPO_S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
+                or os.environ.get("METAFLOW_S3_ENDPOINT_URL"))
+    cfg = Config(retries={"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"})
+    return boto3.client("s3", endpoint_url=endpoint or None, config=cfg)
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write a file so that readers see the old or the new content, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _s3_error(exc: Exception, bucket: str, key: str) -> RuntimeError:
+    return RuntimeError(f"S3 request failed for s3://{bucket}/{key}: {exc}. Check the bucket exists, "
+                        "the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the endpoint "
+                        "(GRPO_S3_ENDPOINT_URL / AWS_ENDPOINT_URL).")
+
+
+def put_dir(local_dir: str | Path, uri: str) -> str:
+    """Copy a directory tree to ``uri`` (replacing what was there) and return ``uri``."""
+    local_dir = Path(local_dir)
+    if not is_s3(uri):
+        dest = Path(uri)
+        if dest.resolve() == local_dir.resolve():
+            return uri
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
+        shutil.copytree(local_dir, tmp, dirs_exist_ok=True)
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old.{os.getpid()}")
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+        return uri
+    bucket, prefix = split_s3(uri)
+    client = s3_client()
+    files = sorted((p for p in local_dir.rglob("*") if p.is_file()), key=lambda p: (p.name == "manifest.json", str(p)))
+    for path in files:  # a manifest goes last: its presence marks the upload complete
+        key = f"{prefix}/{path.relative_to(local_dir).as_posix()}".lstrip("/")
+        try:
+            client.upload_file(str(path), bucket, key)
+            size = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
+        except Exception as exc:  # botocore raises many types; name the object either way
+            raise _s3_error(exc, bucket, key) from exc
+        if size != path.stat().st_size:
+            raise RuntimeError(f"upload of s3://{bucket}/{key} is incomplete: {size} of "
+                               f"{path.stat().st_size} bytes; the checkpoint does not count")
+    return uri
+
+
+def get_dir(uri: str, local_dir: str | Path) -> Path:
+    """Materialise ``uri`` as a local directory (a no-op for local paths) and return it."""
+    if not is_s3(uri):
+        if not Path(uri).is_dir():
+            raise FileNotFoundError(f"{uri} is not a directory")
+        return Path(uri)
+    bucket, prefix = split_s3(uri)
+    client = s3_client()
+    local_dir = Path(local_dir)
+    found = False
+    for key in _list_keys(client, bucket, prefix + "/"):
+        found = True
+        dest = local_dir / key[len(prefix) + 1:]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            client.download_file(bucket, key, str(dest))
+        except Exception as exc:
+            raise _s3_error(exc, bucket, key) from exc
+    if not found:
+        raise FileNotFoundError(f"nothing stored under {uri}")
+    return local_dir
+
+
+def _list_keys(client, bucket: str, prefix: str):
+    try:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                yield obj["Key"]
+    except Exception as exc:
+        raise _s3_error(exc, bucket, prefix) from exc
+
+
+def list_dirs(uri: str) -> list[str]:
+    """Names of the immediate sub-directories of ``uri`` (empty if it does not exist)."""
+    if not is_s3(uri):
+        p = Path(uri)
+        return sorted(c.name for c in p.iterdir() if c.is_dir()) if p.is_dir() else []
+    bucket, prefix = split_s3(uri)
+    names = set()
+    for key in _list_keys(s3_client(), bucket, prefix + "/"):
+        rest = key[len(prefix) + 1:]
+        if "/" in rest:
+            names.add(rest.split("/", 1)[0])
+    return sorted(names)
+
+
+def read_text(uri: str) -> str | None:
+    """Contents of one file, or None if it does not exist."""
+    if not is_s3(uri):
+        p = Path(uri)
+        return p.read_text() if p.is_file() else None
+    bucket, key = split_s3(uri)
+    client = s3_client()
+    try:
+        return client.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+    except client.exceptions.NoSuchKey:
+        return None
+    except Exception as exc:
+        raise _s3_error(exc, bucket, key) from exc

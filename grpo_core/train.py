@@ -1,0 +1,63 @@
+"""Run one GRPO stage: ``python -m grpo_core.train --config STAGE.json [--set key=value ...]``.
+
+Alone it runs as one process; under torchrun it runs DDP (gloo on CPU, nccl on GPU):
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 -m grpo_core.train \\
+        --config stage.json --set iterations=40 --set lr=3e-4
+
+``--set`` values are parsed as JSON when they parse (numbers, true/false, null, lists), else
+kept as strings. The config is validated before any model is loaded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from grpo_core.config import ConfigError, GRPOConfig, from_dict
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {pair!r}: use key=value, e.g. --set lr=3e-4")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def load_config(path: str | None, overrides: list[str]) -> GRPOConfig:
+    data = {}
+    if path:
+        with open(path) as f:
+            data = json.load(f)
+    return from_dict(GRPOConfig, {**data, **parse_overrides(overrides)}, "stage")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="stage config JSON (GRPOConfig fields)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.set)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    import torch
+
+    from grpo_core import dist
+    from grpo_core.trainer import Trainer
+
+    if threads:
+        torch.set_num_threads(int(threads))
+    info = dist.init()
+    try:
+        return Trainer(cfg, info).run()
+    finally:
+        dist.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""The GRPO loop for one stage: rollouts -> rewards -> advantages -> clipped update + k3 KL.
+
+Each iteration reseeds from (seed, iteration, rank) and draws its prompts from a deterministic
+stream position, so a stage restarted from its latest checkpoint produces bitwise the same
+weights as an uninterrupted run. Prompts are sharded across ranks by whole groups; metrics are
+all-reduced; only rank 0 writes files and talks to MLflow. Metrics reach MLflow at checkpoint
+commit points (and at the end): a crashed stage that resumes never logs a step twice.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from grpo_core import checkpoint, dist, storage
+from grpo_core.algorithm import group_advantages, grpo_loss, informative_mask, masked_mean
+from grpo_core.data import PromptStream, eval_rows, train_rows
+from grpo_core.evaluate import greedy_results
+from grpo_core.health import divergence_alarm
+from grpo_core.models import load_policy, save_policy
+from grpo_core.objective import objective_card
+from grpo_core.rewards import RewardSpec, combine_rewards, resolve_specs
+from grpo_core.rollout import completion_logprobs, generate_rollouts
+from grpo_core.tracking import open_tracker
+from grpo_core.types import RolloutBatch
+
+MAX_NONFINITE_IN_A_ROW = 3  # consecutive skipped updates before the stage stops with an error
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def iteration_seed(seed: int, iteration: int, rank: int) -> int:
+    return (seed * 1_000_003 + iteration * 7_919 + rank * 104_729) % (2**63 - 1)
+
+
+class Trainer:
+    def __init__(self, cfg, info: dist.DistInfo):
+        self.cfg, self.info = cfg, info
+        self.out = Path(cfg.output_dir)
+        self.ckpt_dir = self.out / "checkpoints"
+        torch.manual_seed(cfg.seed)
+        self.model, self.tok = load_policy(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        self.model.to(info.device).train()
+        self.ref = None
+        if cfg.beta > 0:  # the reference is always the stage's starting policy, also on resume
+            self.ref, _ = load_policy(cfg.model, trust_remote_code=cfg.trust_remote_code)
+            self.ref.to(info.device).eval().requires_grad_(False)
+        self.ddp = self.model
+        if info.world_size > 1:
+            ids = [info.local_rank] if info.device.type == "cuda" else None
+            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        warm = max(cfg.warmup_iters, 0)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda it: min(1.0, (it + 1) / warm) if warm else 1.0)
+        self.rewards = resolve_specs([RewardSpec(**r) for r in cfg.rewards])
+        self.stream = PromptStream(train_rows(cfg), cfg.seed)
+        self.eval_rows = eval_rows(cfg, cfg.eval_size) if (cfg.eval_every or cfg.gate_metric) else None
+        self.state = {"iteration": 0, "data_position": 0, "nonfinite_in_a_row": 0,
+                      "skipped_updates": 0, "gate_hits": 0, "history": []}
+        self.tracker = open_tracker(cfg.tracking_uri, cfg.tracking_run_id, info.rank,
+                                    spill_path=str(self.out / "pending_metrics.jsonl"))
+
+    # ---------------------------------------------------------------- resume and checkpoints
+    def resume(self) -> int:
+        """Continue from the newest verified checkpoint (local, this run's or the origin's)."""
+        locations = [str(self.ckpt_dir)] + [storage.join(u, "checkpoints") for u in self.cfg.resume_from]
+        path = checkpoint.latest(locations, self.out / ".downloaded") if self.info.is_main else None
+        path_str = [str(path) if path else ""]
+        if dist.active():
+            torch.distributed.broadcast_object_list(path_str, src=0)
+        if not path_str[0]:
+            return 0
+        self.state = checkpoint.load(path_str[0], self.model, self.opt, self.sched)
+        self._truncate_metrics(self.state["iteration"])
+        dist.print0(f"[{self.cfg.stage}] resumed from {path_str[0]} at iteration {self.state['iteration']}")
+        return self.state["iteration"]
+
+    def _truncate_metrics(self, iteration: int) -> None:
+        f = self.out / "metrics.jsonl"
+        if self.info.is_main and f.exists():
+            keep = [ln for ln in f.read_text().splitlines() if json.loads(ln)["iteration"] <= iteration]
+            storage.atomic_write_text(f, "".join(ln + "\n" for ln in keep))
+
+    def save_checkpoint(self, iteration: int) -> None:
+        if self.info.is_main:
+            path = checkpoint.save(self.ckpt_dir, iteration, self.model, self.opt, self.sched, self.state)
+            if self.cfg.sync_uri:
+                storage.put_dir(path, storage.join(self.cfg.sync_uri, "checkpoints", path.name))
+            checkpoint.prune(self.ckpt_dir, self.cfg.keep_checkpoints)
+            self.tracker.flush()  # commit point: metrics up to here are now durable
+        dist.barrier()
+
+    # ---------------------------------------------------------------- one iteration
+    def _shard(self, rows: list[dict]) -> list[dict]:
+        per = len(rows) // self.info.world_size
+        return rows[self.info.rank * per:(self.info.rank + 1) * per]
+
+    def _sample(self, n_prompts: int) -> RolloutBatch:
+        c = self.cfg
+        rows = self._shard(self.stream.take(self.state["data_position"], n_prompts))
+        self.state["data_position"] += n_prompts
+        batch = generate_rollouts(self.model, self.tok, rows, c.group_size, temperature=c.temperature,
+                                  top_p=c.top_p, top_k=c.top_k, max_new_tokens=c.max_new_tokens,
+                                  max_prompt_tokens=c.max_prompt_tokens)
+        t0 = time.perf_counter()
+        cols = {k: v for k, v in batch.columns.items() if k not in ("id", "think")}
+        total, self.last_breakdown = combine_rewards(self.rewards, batch.prompts, batch.completions, cols)
+        batch.rewards = torch.tensor(total, dtype=torch.float32)
+        self.timings["time_reward"] += time.perf_counter() - t0
+        return batch
+
+    def rollout(self) -> tuple[RolloutBatch, dict]:
+        """Sample, score, and (with dynamic sampling) refill until enough groups are informative."""
+        c, G = self.cfg, self.cfg.group_size
+        t0 = time.perf_counter()
+        batch = self._sample(c.prompts_per_iter)
+        drawn, informative_first = len(batch) // G, informative_mask(batch.rewards, G)
+        stats = {"informative_groups": informative_first.float().sum().item(), "drawn_groups": drawn}
+        if c.dynamic_sampling:
+            kept, rounds = [batch.select_groups(informative_first)], 0
+            need = lambda: dist.all_reduce_max(float(sum(b.num_groups for b in kept) < drawn))  # noqa: E731
+            while rounds < c.max_resample_rounds and need() > 0:
+                extra = self._sample(c.prompts_per_iter)
+                kept.append(extra.select_groups(informative_mask(extra.rewards, G)))
+                rounds += 1
+            pool = RolloutBatch.concat([b for b in kept if len(b)], self.tok.pad_token_id) \
+                if any(len(b) for b in kept) else batch
+            n_groups = min(pool.num_groups, drawn)
+            batch = pool.select_groups(torch.arange(pool.num_groups) < n_groups) if n_groups else batch
+            stats.update(dynamic_rounds=rounds, dynamic_drawn=drawn * (rounds + 1))
+        batch.advantages = group_advantages(batch.rewards, G, scale=c.scale, eps=c.adv_eps)
+        self.timings["time_generate"] += time.perf_counter() - t0 - self.timings["time_reward"]
+        return batch, stats
+
+    def update(self, batch: RolloutBatch) -> dict:
+        c = self.cfg
+        mask = batch.completion_mask.clone()                                    # [B, T]
+        if c.mask_truncated:
+            mask &= ~batch.truncated.unsqueeze(1)
+        t0 = time.perf_counter()
+        if self.ref is not None:
+            with torch.no_grad():
+                batch.ref_logp, _ = completion_logprobs(self.ref, batch, c.temperature)
+        if c.mu > 1:
+            with torch.no_grad():
+                batch.old_logp, _ = completion_logprobs(self.model, batch, c.temperature)
+        self.timings["time_ref"] += time.perf_counter() - t0
+        global_tokens = dist.all_reduce_sum([float(mask.sum())], self.info.device)[0]
+        dev = self.info.device
+        for _ in range(c.mu):
+            logp, ent = completion_logprobs(self.ddp, batch, c.temperature, with_entropy=True)
+            old = batch.old_logp if batch.old_logp is not None else logp.detach()
+            loss, stats = grpo_loss(
+                logp, old.to(dev), None if batch.ref_logp is None else batch.ref_logp.to(dev),
+                batch.advantages.to(dev), mask.to(dev), clip_low=c.clip_low, clip_high=c.clip_high,
+                beta=c.beta, loss_type=c.loss_type, max_completion_length=c.max_new_tokens,
+                global_token_count=global_tokens, world_size=self.info.world_size)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            stats["grad_norm"] = self._step(loss)
+            stats["loss"] = loss.item()
+            stats["entropy"] = masked_mean(ent, mask.to(dev)).item()
+        self.timings["time_update"] += time.perf_counter() - t0
+        return stats
+
+    def _step(self, loss) -> float:
+        """Clip and apply the update, or skip it (and count) when anything is non-finite."""
+        limit = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit).item()
+        bad = dist.all_reduce_max(float(not (math.isfinite(norm) and math.isfinite(loss.item()))))
+        if bad:
+            self.opt.zero_grad(set_to_none=True)
+            self.state["skipped_updates"] += 1
+            self.state["nonfinite_in_a_row"] += 1
+            if self.state["nonfinite_in_a_row"] >= MAX_NONFINITE_IN_A_ROW:
+                raise NonFiniteError(f"[{self.cfg.stage}] {MAX_NONFINITE_IN_A_ROW} non-finite updates in a row; "
+                                     "stopping with the last good checkpoint intact. Lower lr or check rewards.")
+            return float("nan")
+        self.state["nonfinite_in_a_row"] = 0
+        self.opt.step()
+        self.sched.step()
+        return norm
+
+    # ---------------------------------------------------------------- metrics and evaluation
+    def _metrics(self, it: int, batch: RolloutBatch, roll: dict, upd: dict, seconds: float) -> dict:
+        lens = batch.completion_mask.sum(-1).float()
+        informative = informative_mask(batch.rewards, batch.group_size).float()
+        local = [batch.rewards.sum().item(), (batch.rewards ** 2).sum().item(), len(batch),
+                 informative.sum().item(), informative.numel(), lens.sum().item(),
+                 batch.truncated.float().sum().item(), roll["informative_groups"], roll["drawn_groups"]]
+        s = dist.all_reduce_sum(local, self.info.device)
+        n = max(s[2], 1)
+        mean = s[0] / n
+        m = {"iteration": it, "reward": mean, "reward_std": math.sqrt(max(s[1] / n - mean ** 2, 0.0)),
+             "informative_frac": s[7] / max(s[8], 1), "completion_len": s[5] / n,
+             "truncated_frac": s[6] / n, "tokens_per_s": s[5] / max(seconds, 1e-9),
+             "lr": self.sched.get_last_lr()[0], "skipped_updates": self.state["skipped_updates"]}
+        if self.cfg.dynamic_sampling:
+            m.update(informative_frac_kept=s[3] / max(s[4], 1), dynamic_rounds=roll["dynamic_rounds"],
+                     dynamic_drawn=roll["dynamic_drawn"])
+        reduced = dist.all_reduce_sum([upd[k] for k in ("kl", "loss", "clip_frac", "clip_frac_low",
+                                                         "clip_frac_high", "ratio_mean", "entropy")],
+                                      self.info.device)
+        for k, v in zip(("kl", "loss", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean",
+                         "entropy"), reduced):
+            m[k] = v / self.info.world_size
+        m["grad_norm"] = upd["grad_norm"]
+        m.update({k: round(v, 4) for k, v in self.timings.items()})
+        for name, vals in self.last_breakdown.items():
+            m[f"reward/{name.split(':')[-1]}"] = dist.all_reduce_sum([sum(v for v in vals if v == v)], self.info.device)[0] / n
+        return m
+
+    def evaluate(self) -> float:
+        """Greedy held-out accuracy, sharded across ranks."""
+        rows = self.eval_rows[self.info.rank::self.info.world_size]
+        res = greedy_results(self.model, self.tok, rows, max_new_tokens=self.cfg.eval_max_new_tokens
+                             or self.cfg.max_new_tokens, max_prompt_tokens=self.cfg.max_prompt_tokens)
+        right, total = dist.all_reduce_sum([sum(r["correct"] for r in res), len(res)], self.info.device)
+        return right / max(total, 1)
+
+    def _gate(self, m: dict) -> bool:
+        c = self.cfg
+        if c.gate_metric is None or c.gate_metric not in m:
+            return False
+        self.state["gate_hits"] = self.state["gate_hits"] + 1 if m[c.gate_metric] >= c.gate_threshold else 0
+        return self.state["gate_hits"] >= c.gate_patience
+
+    def _record(self, m: dict, batch: RolloutBatch) -> None:
+        self.state["history"] = (self.state["history"] + [{k: m[k] for k in ("iteration", "reward")
+                                                           if k in m} | ({"eval_accuracy": m["eval_accuracy"]}
+                                                           if "eval_accuracy" in m else {})])[-200:]
+        if not self.info.is_main:
+            return
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(m) + "\n")
+        self.tracker.log({k: v for k, v in m.items() if k != "iteration"}, step=m["iteration"])
+        alarm = divergence_alarm(self.state["history"])
+        if alarm:
+            print(f"WARNING [{self.cfg.stage}] {alarm}", flush=True)
+            self.tracker.log({"alarm/reward_task_divergence": 1.0}, step=m["iteration"])
+            self.tracker.set_tags({"grpo.alarm": alarm})
+        if m["iteration"] % self.cfg.sample_every == 0 or m["iteration"] == 1:
+            self.tracker.log_dict({"iteration": m["iteration"], "samples": [
+                {"prompt": p, "completion": t, "reward": r} for p, t, r in
+                zip(batch.prompts[:16], batch.completions[:16], batch.rewards.tolist()[:16])]},
+                f"samples/iter_{m['iteration']:06d}.json")
+        print(f"[{self.cfg.stage}] it {m['iteration']:4d} reward {m['reward']:.3f} "
+              f"informative {m['informative_frac']:.2f} kl {m['kl']:.4f} len {m['completion_len']:.1f}"
+              + (f" eval_acc {m['eval_accuracy']:.3f}" if "eval_accuracy" in m else ""), flush=True)
+
+    # ---------------------------------------------------------------- the stage
+    def run(self) -> dict:
+        c = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        start = self.resume()
+        if self.info.is_main:
+            card = objective_card(c, self.info.world_size)
+            storage.atomic_write_text(self.out / "objective.json", json.dumps(card, indent=1))
+            if start == 0:
+                self.tracker.log_params({**c.to_dict(), **{f"objective.{k}": v for k, v in card.items()}})
+            self.tracker.log_artifact(str(self.out / "objective.json"))
+        promoted, it = False, start
+        for it in range(start + 1, c.iterations + 1):
+            self.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
+            torch.manual_seed(iteration_seed(c.seed, it, self.info.rank))
+            t0 = time.perf_counter()
+            batch, roll = self.rollout()
+            upd = self.update(batch)
+            m = self._metrics(it, batch, roll, upd, time.perf_counter() - t0)
+            if (c.eval_every and it % c.eval_every == 0) or it == c.iterations:
+                m["eval_accuracy"] = self.evaluate() if self.eval_rows is not None else float("nan")
+            promoted = self._gate(m)
+            self.state["iteration"] = it
+            self._record(m, batch)
+            if it % c.save_every == 0 or it == c.iterations or promoted:
+                self.save_checkpoint(it)
+            _maybe_fail(c, it)
+            if promoted:
+                dist.print0(f"[{c.stage}] promotion gate: {c.gate_metric} >= {c.gate_threshold} "
+                            f"({c.gate_patience}x) at iteration {it}; moving on")
+                break
+        return self.finish(it, promoted)
+
+    def finish(self, it: int, promoted: bool) -> dict:
+        summary = {"stage": self.cfg.stage, "iterations_run": it, "promoted_by_gate": promoted,
+                   "skipped_updates": self.state["skipped_updates"]}
+        if self.info.is_main:
+            final = save_policy(self.model, self.tok, self.out / "final")
+            if self.cfg.sync_uri:
+                summary["model_uri"] = storage.put_dir(final, storage.join(self.cfg.sync_uri, "final"))
+            else:
+                summary["model_uri"] = str(final)
+            lines = (self.out / "metrics.jsonl").read_text().splitlines() if (self.out / "metrics.jsonl").exists() else []
+            summary["last"] = json.loads(lines[-1]) if lines else {}
+            summary["first"] = json.loads(lines[0]) if lines else {}
+            self.tracker.flush()
+            summary["tracking_delayed_points"] = getattr(self.tracker, "delayed_points", 0)
+            self.tracker.close()
+            storage.atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=1))
+        dist.barrier()
+        return summary
+
+
+def _maybe_fail(cfg, iteration: int) -> None:
+    """Fault injection: GRPO_FAIL_AT='<stage>:<iteration>' or cfg.fail_at_iteration crashes here."""
+    env = os.environ.get("GRPO_FAIL_AT", "")
+    stage, _, at = env.partition(":")
+    hit = cfg.fail_at_iteration == iteration or (stage == cfg.stage and at.isdigit() and int(at) == iteration)
+    if hit and not os.path.exists(os.path.join(cfg.output_dir, f".failed-once-{iteration}")):
+        if os.environ.get("GRPO_FAIL_ONCE"):
+            Path(cfg.output_dir, f".failed-once-{iteration}").touch()
+        raise RuntimeError(f"[{cfg.stage}] injected failure at iteration {iteration} (GRPO_FAIL_AT)")

@@ -1,0 +1,328 @@
+"""Tests for grpo_core.rewards: answer extraction, gsm8k reward table, adversarial inputs, reward plumbing."""
+
+import doctest
+import math
+import re
+import time
+from fractions import Fraction
+
+import pytest
+
+from grpo_core import rewards
+from grpo_core.rewards import (
+    CORRECT_REWARD,
+    FORMAT_BONUS,
+    MAX_REWARD,
+    RewardSpec,
+    combine_rewards,
+    extract_answer,
+    format_ok,
+    format_reward,
+    gold_value,
+    gsm8k_correctness,
+    gsm8k_reward,
+    is_correct,
+    load_reward_fn,
+    parse_number,
+    resolve_specs,
+    target_char_fraction,
+)
+
+GSM8K_ANSWER = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether she sold 1,210 + 24 clips.\n#### 1,234"
+
+# (completion, gold, expected is_correct, expected gsm8k_reward)
+CASES = [
+    # the expected format: correct answer + bonus
+    ("<think>6*3=18</think><answer>18</answer>", 18, True, 1.2),
+    ("<answer>$1,234.00</answer>", 1234, True, 1.2),
+    ("<answer>\n  18 \n</answer>\n", 18, True, 1.2),
+    ("<answer>18.00</answer>", "18", True, 1.2),
+    ("<answer>5 cm</answer>", 5, True, 1.2),
+    ("<answer>\\boxed{18}</answer>", 18, True, 1.2),
+    ("<answer>-5</answer>", -5, True, 1.2),
+    ("<answer>\u22127</answer>", -7, True, 1.2),  # unicode minus
+    ("<answer>0.5</answer>", ".5", True, 1.2),
+    ("<answer>.5</answer>", 0.5, True, 1.2),
+    ("<answer>1/2</answer>", 0.5, True, 1.2),
+    ("<answer>0.1</answer>", 0.1, True, 1.2),  # float gold is read as its decimal repr, not binary
+    ("<answer>1234</answer>", GSM8K_ANSWER, True, 1.2),  # raw GSM8K answer field as gold
+    ("<answer>1,234</answer>", "1,234", True, 1.2),
+    ("<answer>18</answer> #### 20", 18, True, 1.2),  # the tag outranks a #### line
+    ("<answer>1000000.0000001</answer>", 1_000_000, True, 1.2),  # within relative 1e-6
+    # well formed but wrong: bonus only
+    ("<answer>17</answer>", 18, False, 0.2),
+    ("<answer>-5</answer>", 5, False, 0.2),
+    ("<answer>1.00001</answer>", 1, False, 0.2),  # outside 1e-6
+    ("<answer>18</answer> #### 20", 20, False, 0.2),
+    # correct without the bonus
+    ("Step 1: 6 * 12 = 72\n#### 72", 72, True, 1.0),
+    ("so she has 72 apples.", 72, True, 1.0),
+    ("1,000,000 people came", 1_000_000, True, 1.0),
+    ("The answer is \\boxed{18}.", 18, True, 1.0),
+    ("The answer is \\boxed{18}. Check: 3 * 6 = 18, not 20", 18, True, 1.0),  # \boxed outranks last number
+    ("so \\boxed{\\frac{1}{2}}", 0.5, True, 1.0),
+    ("The tax is 18%", 18, True, 1.0),
+    ("It costs 18 dollars", 18, True, 1.0),
+    ("so x = -4", -4, True, 1.0),
+    ("<answer>18</answer><answer>18.0</answer>", 18, True, 1.0),  # identical repeats: right, no bonus
+    ("<answer>18", 18, True, 1.0),  # unclosed tag: falls back to the last number
+    ("<answer>x = 18</answer>", 18, True, 1.0),  # lenient content is graded, but not well-formed
+    # wrong, nothing
+    ("<answer>18</answer><answer>20</answer>", 18, False, 0.0),  # hedging
+    ("<answer>18</answer><answer>20</answer>", 20, False, 0.0),
+    ("<answer>18</answer><answer>eighteen</answer>", 18, False, 0.0),
+    ("<answer></answer><answer>18</answer>", 18, False, 0.0),  # one empty tag makes it wrong
+    ("<answer><answer>18</answer>", 18, True, 1.0),  # nested open tag: graded leniently, not well-formed
+    ("#### 18\nor maybe\n#### 20", 18, False, 0.0),  # the last #### line counts
+    ("#### 18\nor maybe\n#### 20", 20, True, 1.0),
+    ("#### Step 1: add\n5 + 67 = 72", 72, True, 1.0),  # a markdown heading is not a #### answer
+    ("", 18, False, 0.0),
+    ("  \n\t ", 18, False, 0.0),
+    ("<answer></answer>", 18, False, 0.0),
+    ("<answer>  </answer> the answer is 18", 18, False, 0.0),  # an empty tag is wrong, no fallback
+    ("<answer>eighteen</answer>", 18, False, 0.0),
+    ("3-4", -4, False, 0.0),  # a hyphen after a digit is not a sign
+    ("no numbers here", 18, False, 0.0),
+]
+
+
+@pytest.mark.parametrize("completion,gold,correct,reward", CASES)
+def test_gsm8k_table(completion, gold, correct, reward):
+    assert is_correct(completion, gold) is correct
+    assert gsm8k_reward(completion, gold) == reward  # exact: 0.0 / 0.2 / 1.0 / 1.2
+
+
+def test_constants():
+    assert (CORRECT_REWARD, FORMAT_BONUS, MAX_REWARD) == (1.0, 0.2, 1.2)
+    assert CORRECT_REWARD + FORMAT_BONUS == MAX_REWARD
+
+
+@pytest.mark.parametrize(
+    "completion,expected",
+    [
+        ("<think>a</think><answer> 18 </answer>", "18"),
+        ("<answer>18</answer><answer>18.0</answer>", "18"),
+        ("<answer>18</answer><answer>20</answer>", None),
+        ("<answer></answer>", None),
+        ("<answer>abc</answer><answer>xyz</answer>", None),  # non-numeric answers compare as text
+        ("<answer>abc</answer><answer>abc</answer>", "abc"),
+        ("work\n#### 1,234\n", "1,234"),
+        ("so she has 72 apples.", "72"),
+        ("\\boxed{18} then 20", "18"),
+        ("", None),
+        ("nothing", None),
+    ],
+)
+def test_extract_answer(completion, expected):
+    assert extract_answer(completion) == expected
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("18", Fraction(18)),
+        ("$1,234.00", Fraction(1234)),
+        ("18%", Fraction(18)),
+        ("-0.5", Fraction(-1, 2)),
+        (".5", Fraction(1, 2)),
+        ("3/4", Fraction(3, 4)),
+        ("\\frac{3}{4}", Fraction(3, 4)),
+        ("1/0", None),
+        ("x = 3 + 4 = 7", Fraction(7)),  # the last number
+        ("", None),
+        (None, None),
+        ("9" * 65, None),  # over MAX_NUMBER_CHARS
+    ],
+)
+def test_parse_number(text, expected):
+    assert parse_number(text) == expected
+
+
+@pytest.mark.parametrize(
+    "gold,expected",
+    [(18, 18), (18.0, 18), ("18", 18), (" 1,234 \n", 1234), ("$-3.5", Fraction(-7, 2)), (GSM8K_ANSWER, 1234),
+     (Fraction(1, 3), Fraction(1, 3)), (0.1, Fraction(1, 10))],
+)
+def test_gold_value(gold, expected):
+    assert gold_value(gold) == expected
+
+
+@pytest.mark.parametrize(
+    "gold", ["abc", "", "#### ", "12 apples and 3 pears", None, True, float("nan"), float("inf"), [18]]
+)
+def test_non_numeric_gold_raises(gold):
+    with pytest.raises(ValueError, match=re.escape(repr(gold))) as err:
+        is_correct("<answer>18</answer>", gold)
+    assert "#### N" in str(err.value)  # the message says how to fix it
+
+
+@pytest.mark.parametrize(
+    "completion,ok",
+    [
+        ("<think>x</think><answer>18</answer>", True),
+        ("<answer>$1,234</answer>", True),
+        ("<answer>18</answer><answer>18</answer>", False),
+        ("</answer><answer>18", False),
+        ("<answer>18", False),
+        ("<answer><answer>18</answer>", False),
+        ("<answer>18</answer><answer>", False),
+        ("<answer></answer>", False),
+        ("<answer>x is 18</answer>", False),
+        ("<answer>18 or 20</answer>", False),
+        ("18", False),
+    ],
+)
+def test_format_ok(completion, ok):
+    assert format_ok(completion) is ok
+
+
+ADVERSARIAL = {
+    "open tags": "<answer>" * 20000,
+    "commas": "1," * 100000,
+    "unclosed numbers": "<answer>1" * 20000,
+    "long digits": "9" * 200000,
+    "open boxed": "\\boxed{" * 50000,
+    "boxed digits": "\\boxed{1" * 25000,
+    "boxed braces": "\\boxed{" + "{" * 200000,
+    "many closed tags": "<answer>1</answer>" * 11000,
+    "many hashes": "####" * 50000 + " 1",
+    "open fracs": "\\frac{1" * 30000,
+    "frac commas": "\\frac{" + "1," * 100000,
+    "huge tag": "<answer>" + "1" * 200000 + "</answer>",
+    "signs": "-$" * 100000 + "1",
+}
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_adversarial_inputs_are_fast(name):
+    text = ADVERSARIAL[name]
+    start = time.perf_counter()
+    reward = gsm8k_reward(text, 1)
+    format_ok(text)
+    elapsed = time.perf_counter() - start
+    assert reward in (0.0, 0.2, 1.0, 1.2)
+    assert elapsed < 1.0, f"{name}: {elapsed:.3f}s for {len(text)} chars"
+
+
+def test_long_digit_strings_are_capped():
+    assert not is_correct("9" * 200000, 9)
+    assert not is_correct("<answer>" + "1" * 200000 + "</answer>", 1)
+    assert is_correct("1," * 100000, 1)  # "1," is not a thousands group: the last number is 1
+
+
+def test_reward_functions_trl_signature():
+    prompts = ["q"] * 4
+    completions = ["<answer>4</answer>", "4", "<answer>5</answer>", "x"]
+    assert gsm8k_correctness(prompts, completions, gold=[4, "4", 4, None], extra=[0] * 4) == [1.2, 1.0, 0.2, None]
+    assert format_reward(prompts, completions, gold=[1] * 4) == [0.2, 0.0, 0.2, 0.0]
+    conversational = [[{"role": "assistant", "content": "<answer>4</answer>"}]]
+    assert gsm8k_correctness(["q"], conversational, gold=[4]) == [1.2]
+    with pytest.raises(ValueError, match="2 completions but 1 gold"):
+        gsm8k_correctness(["q", "q"], ["1", "2"], gold=[1])
+
+
+def test_target_char_fraction():
+    completions = ["7777", "7a7b", "", "abc"]
+    assert target_char_fraction(["q"] * 4, completions) == [1.0, 0.5, 0.0, 0.0]
+    assert target_char_fraction(["q"] * 4, completions, target="a", gold=[0] * 4) == [0.0, 0.25, 0.0, 1 / 3]
+    with pytest.raises(ValueError, match="one character"):
+        target_char_fraction(["q"], ["77"], target="77")
+
+
+def test_load_reward_fn_success():
+    assert load_reward_fn("grpo_core.rewards:format_reward") is format_reward
+
+
+@pytest.mark.parametrize(
+    "path,hint",
+    [
+        ("grpo_core.rewards.format_reward", "package.module:function"),  # missing colon
+        (":format_reward", "package.module:function"),
+        ("grpo_core.no_such_module:fn", "cannot import"),
+        ("grpo_core.rewards:no_such_fn", "no attribute"),
+        ("grpo_core.rewards:FORMAT_BONUS", "not callable"),
+    ],
+)
+def test_load_reward_fn_errors(path, hint):
+    with pytest.raises(ValueError, match=re.escape(repr(path))) as err:
+        load_reward_fn(path)
+    assert hint in str(err.value)
+
+
+def test_reward_spec_validates_weight():
+    assert RewardSpec("grpo_core.rewards:format_reward").weight == 1.0
+    for bad in (math.nan, math.inf, "1", None, True):
+        with pytest.raises(ValueError, match="finite"):
+            RewardSpec("grpo_core.rewards:format_reward", bad)
+    with pytest.raises(ValueError, match="package.module:function"):
+        RewardSpec(format_reward)
+    with pytest.raises(AttributeError):
+        RewardSpec("m:f").weight = 2.0  # frozen
+
+
+def test_combine_rewards_weights():
+    specs = [RewardSpec("grpo_core.rewards:gsm8k_correctness"), RewardSpec("grpo_core.rewards:format_reward", -0.5)]
+    completions = ["<answer>4</answer>", "4", "<answer>5</answer>"]
+    totals, parts = combine_rewards(specs, ["q"] * 3, completions, {"gold": [4, 4, 4]})
+    # 1.2 - 0.5*0.2, 1.0 - 0, 0.2 - 0.5*0.2
+    assert totals == pytest.approx([1.1, 1.0, 0.1])
+    assert parts == {
+        "grpo_core.rewards:gsm8k_correctness": [1.2, 1.0, 0.2],
+        "grpo_core.rewards:format_reward": [0.2, 0.0, 0.2],
+    }
+    resolved = resolve_specs(specs)  # resolve once, reuse
+    assert [(w, n) for _, w, n in resolved] == [(1.0, specs[0].fn), (-0.5, specs[1].fn)]
+    assert combine_rewards(resolved, ["q"] * 3, completions, {"gold": [4, 4, 4]})[0] == totals
+
+
+def test_combine_rewards_none_is_not_applicable():
+    def half(prompts, completions, **_):
+        return [None, 0.5, None]
+
+    def never(prompts, completions, **_):
+        return [None, None, None]
+
+    def one(prompts, completions, **_):
+        return [1.0, None, None]
+
+    totals, parts = combine_rewards([(half, 2.0, "half"), (never, 1.0, "never"), (one, 3.0, "one")], ["q"] * 3,
+                                    ["a", "b", "c"], {})
+    assert totals == [3.0, 1.0, 0.0]  # sample 2: nothing applies -> 0.0
+    assert math.isnan(parts["half"][0]) and parts["half"][1] == 0.5
+    assert all(math.isnan(v) for v in parts["never"])
+
+
+def test_combine_rewards_errors():
+    def short(prompts, completions, **_):
+        return [1.0]
+
+    def bad(prompts, completions, **_):
+        return [1.0, math.nan]
+
+    def infinite(prompts, completions, **_):
+        return [math.inf, 1.0]
+
+    args = (["q", "q"], ["a", "b"], {})
+    with pytest.raises(ValueError, match=r"'my_pkg:short' returned 1 values, expected a list of 2"):
+        combine_rewards([(short, 1.0, "my_pkg:short")], *args)
+    with pytest.raises(ValueError, match=r"'bad'.*index 1"):
+        combine_rewards([(bad, 1.0, "bad")], *args)
+    with pytest.raises(ValueError, match=r"'infinite'.*index 0"):
+        combine_rewards([(infinite, 1.0, "infinite")], *args)
+    with pytest.raises(ValueError, match="'gen'"):
+        combine_rewards([(lambda p, c, **_: (x for x in c), 1.0, "gen")], *args)
+    with pytest.raises(ValueError, match="3 prompts for 2 completions"):
+        combine_rewards([(format_reward, 1.0, "f")], ["q"] * 3, ["a", "b"], {})
+    with pytest.raises(ValueError, match="column 'gold'"):
+        combine_rewards([(format_reward, 1.0, "f")], ["q", "q"], ["a", "b"], {"gold": [1]})
+    with pytest.raises(ValueError, match="listed twice"):
+        combine_rewards([(format_reward, 1.0, "f"), (format_reward, 2.0, "f")], *args)
+    with pytest.raises(ValueError, match="not callable"):
+        resolve_specs([(3, 1.0, "three")])
+    with pytest.raises(ValueError, match="no reward functions"):
+        resolve_specs([])
+
+
+def test_docstring_examples():
+    result = doctest.testmod(rewards)
+    assert result.attempted > 0 and result.failed == 0
