@@ -310,6 +310,14 @@ class ComputeConfig:
     """Container image for training pods."""
     threads_per_proc: int = 1
     """OMP/torch threads per torchrun process."""
+    service_account: str | None = None
+    """Kubernetes service account of training pods (S3 access via IRSA/workload identity)."""
+    secrets: list = field(default_factory=list)
+    """Kubernetes secrets exposed to training pods as env vars (referenced, never inlined)."""
+    node_selector: dict = field(default_factory=dict)
+    """Node labels training pods must land on (e.g. a GPU node pool)."""
+    tolerations: list = field(default_factory=list)
+    """Tolerations for tainted GPU nodes, as Kubernetes toleration objects."""
 
     def __post_init__(self):
         _choice(self.backend, ("local", "kubernetes"), "compute.backend")
