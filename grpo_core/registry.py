@@ -1,0 +1,384 @@
+"""Model registry: log the policy, register a version, compare it with the champion, set aliases.
+
+A version is promoted by comparing per-item eval results with the current ``@champion`` on the
+same items (paired, exact McNemar), not by comparing two accuracies: on a few hundred items a
+1-2 point gain is usually noise. Aliases: the first version becomes ``champion``; a promoted
+version becomes ``champion`` and the old one ``previous-champion``; otherwise ``challenger``.
+
+The model is an MLflow pyfunc ("models from code") that wraps the Hugging Face directory and
+decodes greedily, so ``mlflow.pyfunc.load_model("models:/grpo-gsm8k@champion")`` works without
+grpo_core installed. Per-item results live on the run as ``eval/items_<set>.json``.
+
+    python -m grpo_core.registry compare grpo-gsm8k [--a 3 --b 4] [--tracking-uri URI]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from grpo_core.stats import accuracy, mcnemar_exact, wilson_interval
+from grpo_core.tracking import clean_tags, env_defaults, mlflow_client
+
+RULES = ("significant", "better", "always")
+QUIET = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}  # tqdm bars flood step logs
+DEFAULT_MAX_NEW_TOKENS = 256  # enough for a GSM8K chain of thought; override at load time
+
+# Written to a temp file and logged as "models from code": the loaded model then depends only
+# on mlflow, torch and transformers, never on this package or on cloudpickle.
+PYFUNC_CODE = '''\
+"""Greedy text generation over a Hugging Face causal-LM directory (MLflow pyfunc)."""
+import mlflow
+from mlflow.pyfunc import PythonModel
+
+
+class GreedyCausalLM(PythonModel):
+    def load_context(self, context):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model_dir = context.artifacts["model_dir"]
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        self.max_new_tokens = int((context.model_config or {}).get("max_new_tokens", 256))
+
+    def predict(self, context, model_input: list[str], params=None) -> list[str]:
+        import torch
+
+        out = []
+        for prompt in model_input:  # one at a time: no padding side to get wrong
+            enc = self.tok(prompt, return_tensors="pt")
+            with torch.no_grad():
+                ids = self.model.generate(**enc, max_new_tokens=self.max_new_tokens,
+                                          do_sample=False, pad_token_id=self.tok.pad_token_id)
+            out.append(self.tok.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+        return out
+
+
+mlflow.models.set_model(GreedyCausalLM())
+'''
+
+
+# ---------------------------------------------------------------- pure decision logic
+
+
+def align_by_id(a_items: list[dict], b_items: list[dict]) -> tuple[list[str], list[bool], list[bool]]:
+    """Pair two result lists on the item ids they share (sorted, so output is deterministic)."""
+    a = {str(r["item_id"]): bool(r["correct"]) for r in a_items}
+    b = {str(r["item_id"]): bool(r["correct"]) for r in b_items}
+    ids = sorted(a.keys() & b.keys())
+    return ids, [a[i] for i in ids], [b[i] for i in ids]
+
+
+def eval_summary(items: list[dict]) -> dict:
+    """Accuracy, its Wilson 95% interval and n for one eval set."""
+    k, n = sum(1 for r in items if r["correct"]), len(items)
+    low, high = wilson_interval(k, n)
+    return {"accuracy": k / n if n else 0.0, "ci95_low": low, "ci95_high": high, "n": n}
+
+
+def decide_promotion(new_items: list[dict], champion_items: list[dict] | None,
+                     rule: str = "significant", alpha: float = 0.05) -> dict:
+    """Decide whether the new model replaces the champion, on their shared items.
+
+    Accuracies are over the compared items only, so both models are scored on the same set.
+    No champion -> "first". No shared items -> "challenger" unless the rule is "always".
+    """
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if champion_items is None:
+        return {"decision": "first", "p_value": None, "champion_accuracy": None,
+                "challenger_accuracy": accuracy([bool(r["correct"]) for r in new_items]),
+                "compared_items": 0, "reason": "no champion yet"}
+    _, new, old = align_by_id(new_items, champion_items)
+    test = mcnemar_exact(new, old)
+    acc_new, acc_old = accuracy(new), accuracy(old)
+    if not new:
+        promote, reason = rule == "always", "no item ids in common with the champion"
+    elif rule == "always":
+        promote, reason = True, "rule 'always'"
+    elif rule == "better":
+        promote, reason = acc_new > acc_old, f"accuracy {acc_new:.4f} vs {acc_old:.4f}"
+    else:
+        promote = acc_new > acc_old and test["p_value"] < alpha
+        reason = f"accuracy {acc_new:.4f} vs {acc_old:.4f}, McNemar p={test['p_value']:.4g} (alpha {alpha})"
+    return {"decision": "promoted" if promote else "challenger", "p_value": test["p_value"],
+            "champion_accuracy": acc_old if new else None, "challenger_accuracy": acc_new if new else None,
+            "compared_items": len(new), "a_only": test["a_only"], "b_only": test["b_only"], "reason": reason}
+
+
+# ---------------------------------------------------------------- MLflow plumbing
+
+
+@contextlib.contextmanager
+def use_uri(uri: str):
+    """Point MLflow's process-wide tracking/registry URI at ``uri`` for one call, then restore.
+
+    ``Model.log`` and ``pyfunc.load_model`` read only the global URI; setting it also writes
+    the env var, which would then outrank a caller's configuration.
+    """
+    import mlflow
+    from mlflow.tracking._model_registry import utils as reg_utils
+    from mlflow.tracking._tracking_service import utils as trk_utils
+
+    env_keys = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+    saved = (trk_utils._tracking_uri, reg_utils._registry_uri, {k: os.environ.get(k) for k in env_keys})
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        with env_defaults(**QUIET):
+            yield
+    finally:
+        trk_utils._tracking_uri, reg_utils._registry_uri = saved[0], saved[1]
+        for k, v in saved[2].items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def load_model(uri: str, name: str, alias: str = "champion", max_new_tokens: int | None = None):
+    """Load ``models:/name@alias`` as a pyfunc whose ``predict(list[str])`` returns completions."""
+    import mlflow
+
+    config = None if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+    with use_uri(uri):
+        return mlflow.pyfunc.load_model(f"models:/{name}@{alias}", model_config=config)
+
+
+def _pip_requirements() -> list[str]:
+    """Pinned requirements, given explicitly so MLflow does not load the model to infer them."""
+    def ver(pkg: str) -> str:
+        return importlib.metadata.version(pkg).split("+")[0]  # drop "+cpu" local tags
+    return [f"{p}=={ver(p)}" for p in ("mlflow", "torch", "transformers", "safetensors")]
+
+
+def log_pyfunc_model(uri: str, run_id: str, model_dir: str):
+    """Log ``model_dir`` as a pyfunc LoggedModel attached to the run; returns ModelInfo."""
+    import mlflow
+    from mlflow.models import Model
+
+    # Created here so it lands in the run's experiment: Model.log alone would use the
+    # process's active experiment (the Default one, with artifacts under ./mlruns).
+    client = mlflow_client(uri)
+    experiment_id = client.get_run(run_id).info.experiment_id
+    logged = client.create_logged_model(experiment_id, name="model", source_run_id=run_id)
+    with tempfile.TemporaryDirectory() as tmp, use_uri(uri):
+        code = Path(tmp) / "grpo_pyfunc_model.py"
+        code.write_text(PYFUNC_CODE)
+        return Model.log(artifact_path=None, name="model", flavor=mlflow.pyfunc, run_id=run_id,
+                         model_id=logged.model_id,
+                         python_model=str(code), artifacts={"model_dir": str(model_dir)},
+                         pip_requirements=_pip_requirements(),
+                         model_config={"max_new_tokens": DEFAULT_MAX_NEW_TOKENS})
+
+
+def load_eval_items(client, run_id: str, eval_set: str) -> list[dict] | None:
+    """The per-item results a run logged for ``eval_set``, or None if it has none."""
+    name = f"eval/items_{eval_set}.json"
+    if name not in {f.path for f in client.list_artifacts(run_id, "eval")}:
+        return None  # listing first: a download error must not pass for "no results"
+    with tempfile.TemporaryDirectory() as tmp, env_defaults(**QUIET):
+        return json.loads(Path(client.download_artifacts(run_id, name, tmp)).read_text())
+
+
+def aliases_by_version(client, name: str) -> dict[int, list[str]]:
+    """version -> aliases (versions are int over sqlite and str over REST: normalise)."""
+    out: dict[int, list[str]] = {}
+    for alias, version in client.get_registered_model(name).aliases.items():
+        out.setdefault(int(version), []).append(alias)
+    return out
+
+
+def _champion(client, name: str):
+    """The ``@champion`` version or None; a missing alias raises INVALID_PARAMETER_VALUE, so check first."""
+    if "champion" not in client.get_registered_model(name).aliases:
+        return None
+    return client.get_model_version_by_alias(name, "champion")
+
+
+def _find_or_create_version(client, uri, name, run_id, model_dir, eval_items, tags):
+    """One version per run: a rerun of the register step reuses the version it made."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name)
+    existing = client.search_model_versions(f"name='{name}' and run_id='{run_id}'")
+    if existing:
+        return existing[0]
+    for eval_set, items in eval_items.items():
+        client.log_dict(run_id, items, f"eval/items_{eval_set}.json")
+    info = log_pyfunc_model(uri, run_id, model_dir)
+    with use_uri(uri):  # the sqlite registry resolves models:/m-... via the global URI
+        return client.create_model_version(name, source=info.model_uri, run_id=run_id,
+                                           tags=clean_tags(tags), model_id=info.model_id)
+
+
+# ---------------------------------------------------------------- the register step
+
+
+def register_model(uri: str, run_id: str, model_dir: str, name: str = "grpo-gsm8k", *,
+                   eval_items: dict[str, list[dict]], primary: str = "gsm8k_test",
+                   tags: dict | None = None, rule: str = "significant", alpha: float = 0.05) -> dict:
+    """Log, register, compare with ``@champion`` and set aliases. Returns the decision dict.
+
+    The decision is stored as version tags *before* aliases are moved, so a rerun (e.g. a
+    resumed Metaflow step) re-applies the same aliases instead of comparing the version with
+    itself.
+    """
+    if primary not in eval_items:
+        raise ValueError(f"primary eval set {primary!r} not in eval_items {sorted(eval_items)}")
+    client = mlflow_client(uri)
+    mv = _find_or_create_version(client, uri, name, run_id, model_dir, eval_items, tags)
+    version = int(mv.version)
+    if "decision" in mv.tags:
+        result = json.loads(mv.tags["grpo.decision_json"])
+    else:
+        result = _decide_against_champion(client, name, eval_items[primary], primary, rule, alpha)
+        result.update(version=version, model_name=name, rule=rule)
+        _tag_version(client, name, version, eval_items, result)
+    _apply_aliases(client, name, version, result)
+    _log_to_run(client, run_id, eval_items, result)
+    print(f"[registry] {name} v{version}: {result['decision']} ({result['reason']}; "
+          f"{result['compared_items']} items compared)", file=sys.stderr)
+    return result
+
+
+def _decide_against_champion(client, name, new_items, primary, rule, alpha) -> dict:
+    """``decide_promotion`` against the champion's logged per-item results on ``primary``."""
+    champ = _champion(client, name)
+    if champ is None:
+        return {**decide_promotion(new_items, None, rule, alpha), "champion_version": None}
+    old = load_eval_items(client, champ.run_id, primary)
+    result = decide_promotion(new_items, old or [], rule, alpha)
+    if old is None:
+        result["reason"] = f"champion v{champ.version} has no eval/items_{primary}.json"
+    return {**result, "champion_version": int(champ.version)}
+
+
+def _tag_version(client, name: str, version: int, eval_items: dict, result: dict) -> None:
+    tags = {}
+    for eval_set, items in eval_items.items():
+        tags.update({f"eval.{eval_set}.{k}": v for k, v in eval_summary(items).items()})
+    keys = ("p_value", "champion_accuracy", "challenger_accuracy", "compared_items", "rule", "reason")
+    tags.update({k: "" if result[k] is None else result[k] for k in keys})
+    tags["grpo.decision_json"] = json.dumps(result)
+    tags["decision"] = result["decision"]  # last: its presence marks the decision as stored
+    for k, v in tags.items():
+        client.set_model_version_tag(name, str(version), k, str(v))
+
+
+def _apply_aliases(client, name: str, version: int, result: dict) -> None:
+    """Idempotent alias moves for the stored decision."""
+    if result["decision"] == "challenger":
+        client.set_registered_model_alias(name, "challenger", str(version))
+        return
+    old = result.get("champion_version")
+    if result["decision"] == "promoted" and old is not None and old != version:
+        client.set_registered_model_alias(name, "previous-champion", str(old))
+    client.set_registered_model_alias(name, "champion", str(version))
+
+
+def _log_to_run(client, run_id: str, eval_items: dict, result: dict) -> None:
+    from mlflow.entities import Metric, RunTag
+
+    metrics = {f"eval.{s}.{k}": v for s, items in eval_items.items()
+               for k, v in eval_summary(items).items()}
+    metrics.update({f"promotion.{k}": result[k] for k in
+                    ("p_value", "champion_accuracy", "challenger_accuracy", "compared_items")})
+    tags = {"promotion.decision": result["decision"], "promotion.reason": result["reason"],
+            "registry.model": result["model_name"], "registry.version": str(result["version"])}
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()
+                                      if v is not None],
+                     tags=[RunTag(k, v) for k, v in tags.items()])
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _fmt_acc(tags: dict, eval_set: str) -> str:
+    acc = tags.get(f"eval.{eval_set}.accuracy")
+    if acc is None:
+        return "-"
+    low, high = tags.get(f"eval.{eval_set}.ci95_low"), tags.get(f"eval.{eval_set}.ci95_high")
+    return f"{float(acc):.3f} [{float(low):.3f},{float(high):.3f}]"
+
+
+def print_versions(client, name: str) -> None:
+    """One row per version: aliases, accuracy [95% CI] per eval set, digests, provenance."""
+    versions = sorted(client.search_model_versions(f"name='{name}'"), key=lambda v: int(v.version))
+    aliases = aliases_by_version(client, name)
+    sets = sorted({k.split(".")[1] for v in versions for k in v.tags
+                   if k.startswith("eval.") and k.endswith(".accuracy")})
+    header = ["version", "aliases", *sets, "decision", "digests", "run_id", "pathspec"]
+    rows = []
+    for v in versions:
+        digests = ",".join(f"{k}={t[:12]}" for k, t in sorted(v.tags.items()) if "digest" in k)
+        pathspec = next((t for k, t in v.tags.items() if "pathspec" in k), "-")
+        rows.append([str(v.version), ",".join(sorted(aliases.get(int(v.version), []))) or "-",
+                     *[_fmt_acc(v.tags, s) for s in sets], v.tags.get("decision", "-"),
+                     digests or "-", v.run_id or "-", pathspec])
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def _eval_sets(client, run_id: str) -> set[str]:
+    files = client.list_artifacts(run_id, "eval")
+    return {Path(f.path).stem.removeprefix("items_") for f in files if f.path.endswith(".json")}
+
+
+def print_pair(client, name: str, a: int, b: int, eval_set: str | None = None, show: int = 20) -> None:
+    """Item-by-item paired comparison of two versions on each eval set both have."""
+    va, vb = client.get_model_version(name, str(a)), client.get_model_version(name, str(b))
+    sets = [eval_set] if eval_set else sorted(_eval_sets(client, va.run_id) & _eval_sets(client, vb.run_id))
+    for s in sets:
+        ia, ib = load_eval_items(client, va.run_id, s), load_eval_items(client, vb.run_id, s)
+        if ia is None or ib is None:
+            print(f"\n{s}: missing per-item results for v{a if ia is None else b}")
+            continue
+        ids, ra, rb = align_by_id(ia, ib)
+        t = mcnemar_exact(ra, rb)
+        print(f"\n{s}: {len(ids)} shared items  acc v{a}={accuracy(ra):.3f}  v{b}={accuracy(rb):.3f}")
+        print(f"  a_only={t['a_only']}  b_only={t['b_only']}  both={t['both']}  "
+              f"neither={t['neither']}  McNemar exact p={t['p_value']:.4g}")
+        diff = [(i, x, y) for i, x, y in zip(ids, ra, rb) if x != y]
+        for i, x, y in diff[:show]:
+            print(f"  {i}: v{a}={'right' if x else 'wrong'}  v{b}={'right' if y else 'wrong'}")
+        if len(diff) > show:
+            print(f"  ... {len(diff) - show} more differing items")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m grpo_core.registry", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compare", help="table of versions; with --a/--b a paired comparison")
+    c.add_argument("name", help="registered model name, e.g. grpo-gsm8k")
+    c.add_argument("--a", type=int, help="first version of the paired comparison")
+    c.add_argument("--b", type=int, help="second version of the paired comparison")
+    c.add_argument("--set", dest="eval_set", help="eval set to compare (default: all shared)")
+    c.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI")
+    args = p.parse_args(argv)
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        p.error("give --tracking-uri or set MLFLOW_TRACKING_URI")
+    if (args.a is None) != (args.b is None):
+        p.error("--a and --b go together")
+    client = mlflow_client(uri)
+    print_versions(client, args.name)
+    if args.a is not None:
+        print_pair(client, args.name, args.a, args.b, args.eval_set)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

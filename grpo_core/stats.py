@@ -1,0 +1,80 @@
+"""Small-sample statistics for evaluation and promotion decisions.
+
+Pure Python (``math`` only) so the evaluate and register steps can use it without scipy.
+Eval sets here are a few hundred items, so intervals and tests are exact or
+small-sample-correct rather than normal approximations of differences:
+
+- ``wilson_interval``: a binomial proportion interval that stays inside [0, 1] and behaves at
+  0/n and n/n, unlike the Wald interval.
+- ``mcnemar_exact``: two models graded on the same items are paired, so the test uses only the
+  discordant items (one right, the other wrong) and an exact binomial tail.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval for k successes out of n (95% with the default z).
+
+    With no data the proportion is unconstrained, so n=0 gives (0.0, 1.0).
+    """
+    if n < 0 or k < 0 or k > n:
+        raise ValueError(f"need 0 <= k <= n, got k={k} n={n}")
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    z2 = z * z
+    denom = 1.0 + z2 / n
+    centre = (p + z2 / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def binomial_two_sided_p(k: int, n: int) -> float:
+    """Exact two-sided p-value of k successes in n fair coin flips (doubling the smaller tail).
+
+    Integer arithmetic (``math.comb`` over ``2**n``) keeps it exact for any n we meet.
+    """
+    if n == 0:
+        return 1.0
+    k = min(k, n - k)
+    tail = sum(math.comb(n, i) for i in range(k + 1))
+    return min(1.0, 2 * tail / 2**n)
+
+
+def mcnemar_exact(a: Sequence[bool], b: Sequence[bool]) -> dict:
+    """Exact McNemar test for paired per-item correctness of models A and B.
+
+    Items both models get right (or wrong) carry no information about which is better; under
+    the null each discordant item is equally likely to favour A or B, hence a binomial(n, 1/2)
+    on the discordant count. Returns the four cell counts, ``n`` and ``p_value`` (1.0 when there
+    are no discordant items).
+    """
+    if len(a) != len(b):
+        raise ValueError(f"paired results must have equal length, got {len(a)} and {len(b)}")
+    a_only = sum(1 for x, y in zip(a, b) if x and not y)
+    b_only = sum(1 for x, y in zip(a, b) if y and not x)
+    both = sum(1 for x, y in zip(a, b) if x and y)
+    return {
+        "a_only": a_only,
+        "b_only": b_only,
+        "both": both,
+        "neither": len(a) - a_only - b_only - both,
+        "n": len(a),
+        "p_value": binomial_two_sided_p(a_only, a_only + b_only),
+    }
+
+
+def accuracy(results: Sequence[bool]) -> float:
+    """Fraction correct; 0.0 for an empty list so callers need no special case."""
+    return sum(1 for r in results if r) / len(results) if results else 0.0
+
+
+def paired_accuracy_diff(a: Sequence[bool], b: Sequence[bool]) -> float:
+    """acc(A) - acc(B) on the same items (lengths must match, as in ``mcnemar_exact``)."""
+    if len(a) != len(b):
+        raise ValueError(f"paired results must have equal length, got {len(a)} and {len(b)}")
+    return accuracy(a) - accuracy(b)

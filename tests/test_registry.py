@@ -1,0 +1,155 @@
+"""Registry: versions, paired promotion against the champion, aliases, loading, the compare CLI.
+
+Uses a tiny Llama built locally (no downloads) and synthetic per-item results, against sqlite
+and against a real MLflow server whose artifacts go to S3 (moto).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_core.registry import aliases_by_version, decide_promotion, load_model, main, register_model
+from grpo_core.tracking import start_parent_run
+
+pytestmark = pytest.mark.usefixtures("no_cwd_writes")  # MLflow must never fall back to the cwd
+
+N = 60  # items per eval set
+
+
+def items(n_right: int, n: int = N, prefix: str = "gsm8k") -> list[dict]:
+    """The first n_right items are correct: models with more right items dominate the others."""
+    return [{"item_id": f"{prefix}-{i:03d}", "correct": i < n_right} for i in range(n)]
+
+
+def evals(n_right: int) -> dict[str, list[dict]]:
+    return {"gsm8k_test": items(n_right), "arith_holdout": items(min(N, n_right + 5), prefix="arith")}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A 1-layer Llama with a character-level tokenizer, saved the way the trainer saves it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    for ch in "0123456789+-*/=() abcdefghijklmnopqrstuvwxyz?.,:":
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # one token per character
+    tok.decoder = decoders.Fuse()
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                     unk_token="<unk>")
+    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                      vocab_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    out = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    hf_tok.save_pretrained(out)
+    return str(out)
+
+
+def _register(uri, model_dir, n_right, rule="significant", name="grpo-test", run_id=None):
+    run_id = run_id or start_parent_run(uri, "grpo-registry", {"metaflow.pathspec": f"GrpoFlow/{n_right}"})
+    tags = {"dataset.gsm8k_test.digest": f"digest{n_right}", "metaflow.pathspec": f"GrpoFlow/{n_right}",
+            "config": "local", "s3_uri": "s3://user:pw@bucket/x"}
+    return register_model(uri, run_id, model_dir, name, eval_items=evals(n_right), tags=tags, rule=rule)
+
+
+def _load_and_predict(uri, name):
+    return load_model(uri, name, max_new_tokens=4).predict(["12+3="])
+
+
+# ---------------------------------------------------------------- pure decision
+
+
+def test_decide_promotion_rules():
+    champ, better, slightly = items(10), items(40), items(11)
+    assert decide_promotion(better, None)["decision"] == "first"
+    r = decide_promotion(better, champ)
+    # 30 discordant items, all for the new model: p = 2 * 0.5**30
+    assert r["decision"] == "promoted" and r["p_value"] == pytest.approx(2 * 0.5**30)
+    assert (r["challenger_accuracy"], r["champion_accuracy"], r["compared_items"]) == (40 / 60, 10 / 60, 60)
+    assert decide_promotion(slightly, champ)["decision"] == "challenger"  # p = 1.0
+    assert decide_promotion(slightly, champ, rule="better")["decision"] == "promoted"
+    assert decide_promotion(champ, champ, rule="better")["decision"] == "challenger"  # ties stay
+    assert decide_promotion(items(5), champ, rule="always")["decision"] == "promoted"
+    disjoint = decide_promotion(better, items(10, prefix="other"))
+    assert disjoint["decision"] == "challenger" and disjoint["compared_items"] == 0
+    assert "no item ids in common" in disjoint["reason"]
+    half = decide_promotion(better, champ[:30])  # only the shared items count
+    assert half["compared_items"] == 30 and half["challenger_accuracy"] == 1.0
+    with pytest.raises(ValueError):
+        decide_promotion(better, champ, rule="vibes")
+
+
+# ---------------------------------------------------------------- sqlite: the whole alias story
+
+
+def test_registry_flow_sqlite(sqlite_uri, model_dir, capsys):
+    from mlflow import MlflowClient
+
+    uri, name = sqlite_uri, "grpo-test"
+    assert _register(uri, model_dir, 20)["decision"] == "first"  # v1
+    assert _register(uri, model_dir, 15)["decision"] == "challenger"  # v2: worse
+    v3 = _register(uri, model_dir, 50)  # much better: 30 discordant, all for v3
+    assert v3["decision"] == "promoted" and v3["p_value"] < 0.05 and v3["compared_items"] == N
+    v4 = _register(uri, model_dir, 51)  # one more item right: not significant
+    assert v4["decision"] == "challenger" and v4["p_value"] == 1.0
+    v5 = _register(uri, model_dir, 51, rule="better")
+    assert v5["decision"] == "promoted" and v5["version"] == 5
+
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    assert aliases_by_version(client, name) == {
+        5: ["champion"], 3: ["previous-champion"], 4: ["challenger"]}
+    mv = client.get_model_version(name, "5")
+    assert mv.tags["eval.gsm8k_test.accuracy"] == str(51 / 60)
+    assert float(mv.tags["eval.gsm8k_test.ci95_low"]) < 51 / 60 < float(mv.tags["eval.gsm8k_test.ci95_high"])
+    assert mv.tags["decision"] == "promoted" and mv.tags["compared_items"] == "60"
+    assert mv.tags["dataset.gsm8k_test.digest"] == "digest51" and "pw" not in mv.tags["s3_uri"]
+    run = client.get_run(mv.run_id)
+    assert run.data.tags["promotion.decision"] == "promoted"
+    assert run.data.metrics["promotion.challenger_accuracy"] == pytest.approx(51 / 60)
+    assert {a.path for a in client.list_artifacts(mv.run_id, "eval")} == {
+        "eval/items_gsm8k_test.json", "eval/items_arith_holdout.json"}
+
+    again = _register(uri, model_dir, 51, rule="better", run_id=mv.run_id)  # a resumed register step
+    assert again["version"] == 5 and len(client.search_model_versions(f"name='{name}'")) == 5
+    assert aliases_by_version(client, name)[5] == ["champion"]
+
+    out = _load_and_predict(uri, name)
+    assert isinstance(out, list) and len(out) == 1 and isinstance(out[0], str)
+
+    capsys.readouterr()
+    assert main(["compare", name, "--tracking-uri", uri]) == 0
+    table = capsys.readouterr().out
+    for text in ("champion", "previous-champion", "challenger", "0.850 [", "digest51", "GrpoFlow/51"):
+        assert text in table
+    assert len(table.strip().splitlines()) == 6  # header + 5 versions
+    main(["compare", name, "--a", "3", "--b", "1", "--set", "gsm8k_test", "--tracking-uri", uri])
+    pair = capsys.readouterr().out
+    assert "a_only=30  b_only=0  both=20  neither=10" in pair and "McNemar exact p=1.863e-09" in pair
+    assert pair.count("v3=right  v1=wrong") == 20 and "... 10 more differing items" in pair
+
+
+# ---------------------------------------------------------------- real server, artifacts in S3
+
+
+def test_registry_on_server_with_s3_artifacts(mlflow_servers, s3_env, model_dir):
+    import boto3
+    from mlflow import MlflowClient
+
+    s3 = boto3.client("s3", endpoint_url=s3_env["MLFLOW_S3_ENDPOINT_URL"])
+    s3.create_bucket(Bucket="grpo-mlflow")
+    srv = mlflow_servers(artifacts="s3://grpo-mlflow/proxied", env=s3_env)
+    name = "grpo-s3"
+    assert _register(srv.url, model_dir, 20, name=name)["decision"] == "first"
+    r = _register(srv.url, model_dir, 50, name=name)
+    assert r["decision"] == "promoted" and r["version"] == 2  # int, although REST returns str
+
+    client = MlflowClient(tracking_uri=srv.url, registry_uri=srv.url)
+    assert aliases_by_version(client, name) == {2: ["champion"], 1: ["previous-champion"]}
+    assert len(_load_and_predict(srv.url, name)) == 1
+
+    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(
+        Bucket="grpo-mlflow", Prefix="proxied/") for o in page.get("Contents", [])]
+    assert any("/models/m-" in k and k.endswith("/model.safetensors") for k in keys), keys
+    assert sum(k.endswith("eval/items_gsm8k_test.json") for k in keys) == 2

@@ -1,0 +1,86 @@
+"""Hand-computed checks of the interval and the paired test used for promotion."""
+
+import math
+
+import pytest
+
+from grpo_core.stats import (
+    accuracy,
+    binomial_two_sided_p,
+    mcnemar_exact,
+    paired_accuracy_diff,
+    wilson_interval,
+)
+
+
+def test_wilson_no_data_is_uninformative():
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_wilson_half():
+    # p=0.5, n=100, z=1.96: z2=3.8416, denom=1.038416, centre=(0.5+0.019208)/denom=0.5
+    # half = 1.96*sqrt(0.0025 + 3.8416/40000)/denom = 1.96*0.0509513/1.038416 = 0.0961702
+    low, high = wilson_interval(50, 100)
+    assert low == pytest.approx(0.5 - 0.0961702, abs=1e-6)
+    assert high == pytest.approx(0.5 + 0.0961702, abs=1e-6)
+
+
+def test_wilson_zero_successes():
+    # p=0: centre = (z2/2n)/(1+z2/n), half = z*sqrt(z2/4n^2)/(1+z2/n) = (z2/2n)/(1+z2/n) -> low 0
+    # n=10: high = 2*0.192080/1.384160 = 0.277542
+    low, high = wilson_interval(0, 10)
+    assert low == pytest.approx(0.0, abs=1e-12)
+    assert high == pytest.approx(0.3841600 / 1.3841600, abs=1e-9)
+
+
+def test_wilson_is_symmetric_and_inside_unit_interval():
+    low, high = wilson_interval(3, 20)
+    low2, high2 = wilson_interval(17, 20)
+    assert low == pytest.approx(1 - high2) and high == pytest.approx(1 - low2)
+    assert 0.0 <= low < 3 / 20 < high <= 1.0
+
+
+def test_wilson_rejects_bad_counts():
+    with pytest.raises(ValueError):
+        wilson_interval(5, 3)
+
+
+def test_binomial_p_values():
+    assert binomial_two_sided_p(0, 10) == 2 * 0.5**10  # 0.001953125
+    # k=1, n=10: 2*(1+10)/1024 = 22/1024
+    assert binomial_two_sided_p(1, 10) == pytest.approx(22 / 1024)
+    assert binomial_two_sided_p(9, 10) == pytest.approx(22 / 1024)  # the smaller tail is doubled
+    assert binomial_two_sided_p(5, 10) == 1.0  # the doubled tail exceeds 1: clipped
+    assert binomial_two_sided_p(0, 0) == 1.0
+
+
+def test_mcnemar_discordant_zero_of_ten():
+    # 10 discordant items all favour B, 5 concordant items: p = 2 * 0.5**10
+    a = [False] * 10 + [True] * 3 + [False] * 2
+    b = [True] * 10 + [True] * 3 + [False] * 2
+    r = mcnemar_exact(a, b)
+    assert (r["a_only"], r["b_only"], r["both"], r["neither"], r["n"]) == (0, 10, 3, 2, 15)
+    assert r["p_value"] == 0.001953125
+
+
+def test_mcnemar_no_discordant_pairs():
+    r = mcnemar_exact([True, False], [True, False])
+    assert r["p_value"] == 1.0 and r["a_only"] == r["b_only"] == 0
+
+
+def test_mcnemar_large_n_is_exact():
+    # 30 vs 0 discordant: 2 * 0.5**30, well below float precision issues of a normal approx
+    r = mcnemar_exact([True] * 30, [False] * 30)
+    assert math.isclose(r["p_value"], 2 * 0.5**30, rel_tol=1e-12)
+
+
+def test_length_mismatch_raises():
+    with pytest.raises(ValueError):
+        mcnemar_exact([True], [True, False])
+    with pytest.raises(ValueError):
+        paired_accuracy_diff([True], [])
+
+
+def test_paired_accuracy_diff():
+    assert paired_accuracy_diff([True, True, False, False], [True, False, False, False]) == 0.25
+    assert accuracy([]) == 0.0
