@@ -10,8 +10,10 @@ Everything loads with ``weights_only=True`` (no pickle code execution).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 import tempfile
@@ -25,6 +27,7 @@ from grpo_core import storage
 
 PREFIX = "ckpt-"
 MANIFEST = "manifest.json"
+REQUIRED = frozenset({"model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json"})
 
 
 def name_for(iteration: int) -> str:
@@ -68,10 +71,15 @@ def save(ckpt_root: str | Path, iteration: int, model, optimizer, scheduler, sta
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-    except OSError as exc:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(f"could not write checkpoint {final} ({exc}); the previous checkpoint is "
-                      "intact. Free disk space or point output_dir elsewhere, then resume.") from exc
+        # A full disk surfaces as OSError (ENOSPC/EFBIG) from Python, RuntimeError from
+        # torch.save's zip writer and SafetensorError from safetensors: report all three alike.
+        if isinstance(exc, (OSError, RuntimeError)) or type(exc).__name__ == "SafetensorError":
+            raise OSError(f"could not write checkpoint {final} ({type(exc).__name__}: {exc}); the previous "
+                          "checkpoint is intact. Free disk space or point output_dir elsewhere, "
+                          "then resume.") from exc
+        raise
     return final
 
 
@@ -90,12 +98,14 @@ def verify(path: str | Path) -> bool:
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    for name, meta in manifest.items():
-        f = path / name
-        if not f.is_file() or f.stat().st_size != meta["size"] or storage.sha256_file(f) != meta["sha256"]:
+        if not isinstance(manifest, dict) or not REQUIRED <= set(manifest):
             return False
+        for name, meta in manifest.items():
+            f = path / name
+            if not f.is_file() or f.stat().st_size != meta["size"] or storage.sha256_file(f) != meta["sha256"]:
+                return False
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable, or a manifest of the wrong shape
+        return False
     return True
 
 
@@ -122,11 +132,16 @@ def latest(locations: list[str], scratch: str | Path) -> Path | None:
             if name.startswith(PREFIX):
                 candidates.append((iteration_of(name), loc, name))
     for it, loc, name in sorted(candidates, reverse=True):
-        local = Path(loc) / name if not storage.is_s3(loc) else Path(scratch) / f"{it:06d}-{abs(hash(loc))}"
-        if storage.is_s3(loc):
+        remote = storage.is_s3(loc)
+        # A fresh download dir per candidate: stale files from an earlier attempt must not count.
+        local = Path(scratch) / f"{hashlib.sha1(loc.encode()).hexdigest()[:12]}-{name}" if remote else Path(loc) / name
+        if remote:
+            shutil.rmtree(local, ignore_errors=True)
             storage.get_dir(storage.join(loc, name), local)
         if verify(local):
             return local
+        if remote:
+            shutil.rmtree(local, ignore_errors=True)
         warnings.warn(f"checkpoint {storage.join(loc, name)} is incomplete or corrupt "
                       "(checksum mismatch); falling back to an older one")
     return None
@@ -137,17 +152,46 @@ def load(path: str | Path, model, optimizer, scheduler) -> dict:
     path = Path(path)
     module = model.module if hasattr(model, "module") else model
     module.load_state_dict(load_file(str(path / "model.safetensors")))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    optimizer.load_state_dict(_load_tensors(path / "optimizer.pt"))
+    scheduler.load_state_dict(_load_tensors(path / "scheduler.pt"))
+    set_rng_state(_load_tensors(path / "rng.pt"))
     return json.loads((path / "state.json").read_text())
 
 
+def _load_tensors(file: Path):
+    """torch.load restricted to tensors and plain containers: a pickle that would run code is refused."""
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(f"refused to load {file}: it holds objects other than tensors and plain "
+                         "containers (torch.load(weights_only=True) rejected it), so the checkpoint may "
+                         "have been tampered with. Delete it and resume from an older checkpoint.") from exc
+
+
+def complete(path: str | Path) -> bool:
+    """Cheap check (no checksums): the manifest parses and every file has its recorded size."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        return isinstance(manifest, dict) and REQUIRED <= set(manifest) and all(
+            (path / n).is_file() and (path / n).stat().st_size == m["size"] for n, m in manifest.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def prune(ckpt_root: str | Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints (and stale temp dirs)."""
+    """Delete all but the newest ``keep`` complete checkpoints, damaged ones and stale temp dirs.
+
+    Damaged (incomplete) checkpoints do not count towards ``keep``: two of them newer than the
+    one just written must not push the good ones out.
+    """
     root = Path(ckpt_root)
-    names = sorted(n for n in storage.list_dirs(str(root)) if n.startswith(PREFIX))
-    for name in names[:-keep] if keep else []:
-        shutil.rmtree(root / name, ignore_errors=True)
+    names = sorted((n for n in storage.list_dirs(str(root)) if n.startswith(PREFIX)), reverse=True)
+    kept = 0
+    for name in names if keep else []:  # keep=0: keep everything
+        if kept < keep and complete(root / name):
+            kept += 1
+        else:
+            shutil.rmtree(root / name, ignore_errors=True)
     for tmp in root.glob(f".{PREFIX}*"):
         shutil.rmtree(tmp, ignore_errors=True)

@@ -318,6 +318,10 @@ class ComputeConfig:
     """Node labels training pods must land on (e.g. a GPU node pool)."""
     tolerations: list = field(default_factory=list)
     """Tolerations for tainted GPU nodes, as Kubernetes toleration objects."""
+    shared_memory: int | None = None
+    """/dev/shm size in MiB for training pods (NCCL needs more than the 64 MiB default)."""
+    disk: int | None = None
+    """Ephemeral disk in MiB for training pods (checkpoints + model cache)."""
 
     def __post_init__(self):
         _choice(self.backend, ("local", "kubernetes"), "compute.backend")
@@ -370,6 +374,25 @@ class PipelineConfig:
         return dataclasses.asdict(self)
 
 
+def parse_config_text(text: str) -> dict:
+    """The flow's Config parser: TOML files, or JSON (``--config-value cfg '{...}'``)."""
+    import tomllib
+
+    stripped = text.lstrip()
+    if stripped.startswith("{"):
+        return json.loads(text)
+    return tomllib.loads(text)
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """``override`` on top of ``base``, table by table (for partial configs in tests and CLIs)."""
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = deep_merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
 def gsm8k_source(configured: str) -> str:
-    """GSM8K_DIR (a local copy) wins over the configured hub id / path."""
-    return os.environ.get("GSM8K_DIR") or configured
+    """GSM8K_DIR (a local copy) wins over the configured hub id / path; local paths made absolute."""
+    src = os.environ.get("GSM8K_DIR") or configured
+    return os.path.abspath(src) if os.path.isdir(src) else src

@@ -47,6 +47,10 @@ def sft_target(row: dict) -> str:
 def _gsm8k_files(source: str) -> dict[str, str] | None:
     p = Path(source)
     if not p.is_dir():
+        if p.is_absolute() or source.startswith((".", "~")):
+            raise FileNotFoundError(f"GSM8K directory {source} does not exist; point GSM8K_DIR (or "
+                                    "gsm8k_source) at a local copy of openai/gsm8k 'main' with "
+                                    "train.jsonl/test.jsonl, or use the hub id openai/gsm8k")
         return None
     files = {s: str(p / f"{s}.jsonl") for s in ("train", "test") if (p / f"{s}.jsonl").is_file()}
     if not files:
@@ -63,25 +67,52 @@ def load_gsm8k(source: str, split: str, limit: int | None = None) -> list[dict]:
     if files is not None:
         if split not in files:
             raise FileNotFoundError(f"GSM8K directory {source} has no {split}.jsonl")
+        _check_jsonl(files[split])
         ds = datasets.load_dataset("json", data_files={split: files[split]}, split=split)
+        where = files[split]
     else:
         ds = datasets.load_dataset(source, "main", split=split)
+        where = f"{source} split {split!r}"
     if len(ds) == 0:
-        raise ValueError(f"GSM8K {source} split {split!r} is empty")
+        raise ValueError(f"GSM8K {where} is empty")
     rows = []
     for i, ex in enumerate(ds):
         if limit is not None and i >= limit:
             break
         q, a = ex.get("question"), ex.get("answer")
-        if not q or not a:
-            raise ValueError(f"GSM8K {source} {split} row {i}: needs non-empty 'question' and 'answer'")
+        if not isinstance(q, str) or not q.strip() or not isinstance(a, str) or not a.strip():
+            raise ValueError(f"GSM8K {where} row {i} (0-based): needs non-empty string fields 'question' "
+                             f"and 'answer', got question={q!r:.60} answer={a!r:.60}; fix or drop that row")
         try:
             gold = gold_value(a)
         except ValueError as exc:
-            raise ValueError(f"GSM8K {source} {split} row {i}: gold answer is not a number ({exc})") from exc
+            raise ValueError(f"GSM8K {where} row {i} (0-based): gold answer is not a number ({exc})") from exc
         think = a.rsplit("####", 1)[0].strip()
         rows.append({"id": f"gsm8k_{split}:{i}", "prompt": q, "gold": _fmt(gold), "think": think})
     return rows
+
+
+def _check_jsonl(path: str) -> None:
+    """A local split file must hold at least one JSON object per line; name the bad line."""
+    import json
+
+    seen = False
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{path} line {n} is not valid JSON ({exc}); each line must be one "
+                                 "object like {\"question\": ..., \"answer\": \"... #### 42\"}") from exc
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path} line {n} is a JSON {type(obj).__name__}, not an object with "
+                                 "'question' and 'answer'")
+            seen = True
+    if not seen:
+        raise ValueError(f"{path} is empty; it needs one JSON object per line with 'question' and 'answer' "
+                         "(a copy of openai/gsm8k 'main')")
 
 
 def _fmt(x) -> str:

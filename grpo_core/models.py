@@ -94,11 +94,52 @@ def _local_model_dir(name_or_path: str) -> str:
     return name_or_path  # a local dir or a hub id
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def _check_local_dir(name: str, src: Path) -> None:
+    """Fail early, naming the fix, on a local dir without tokenizer or safetensors weights."""
+    if not any((src / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"model dir {name!r} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
+                         "save the tokenizer next to the weights with tokenizer.save_pretrained(dir)")
+    if not any(src.glob("*.safetensors")):
+        found = sorted(p.name for p in src.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        raise ValueError(f"model dir {name!r} has no *.safetensors weights{f' (found {found})' if found else ''}; "
+                         "pickle-based weights are refused because loading them can run code. Convert them "
+                         "with model.save_pretrained(dir, safe_serialization=True) where you trust the source")
+
+
+def _encoder_only_types() -> set[str]:
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - a future transformers layout
+        return set()
+    return set(MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+
+def check_policy(name: str, model) -> None:
+    """Refuse encoder (masked-LM) architectures and weights with NaN/inf values."""
+    cfg = model.config
+    if cfg.model_type in _encoder_only_types() and not getattr(cfg, "is_decoder", False):
+        raise ValueError(f"{name!r} is a {cfg.model_type!r} model ({type(model).__name__}), an encoder "
+                         "architecture with bidirectional attention; GRPO needs a decoder-only causal LM "
+                         "(e.g. llama, qwen2). Set is_decoder=true in its config.json only if it was "
+                         "trained as a causal decoder")
+    for pname, p in model.named_parameters():
+        if not torch.isfinite(p).all():
+            raise ValueError(f"{name!r}: parameter {pname} has {int((~torch.isfinite(p)).sum())} NaN/inf "
+                             "values; the weights are corrupt (re-export them, or resume from an earlier "
+                             "checkpoint)")
+
+
 def load_policy(name_or_path: str, *, trust_remote_code: bool = False, dtype: str = "float32"):
     """Load ``(model, tokenizer)`` from a hub id, a local dir or an ``s3://`` URI."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = _local_model_dir(str(name_or_path))
+    if Path(src).is_dir():
+        _check_local_dir(str(name_or_path), Path(src))
     try:
         tok = AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -109,7 +150,11 @@ def load_policy(name_or_path: str, *, trust_remote_code: bool = False, dtype: st
     except ValueError as exc:
         raise ValueError(f"{name_or_path!r} is not a causal LM with safetensors weights "
                          f"(AutoModelForCausalLM): {exc}") from exc
-    tok = prepare_tokenizer(tok)
+    check_policy(str(name_or_path), model)
+    try:
+        tok = prepare_tokenizer(tok)
+    except ValueError as exc:
+        raise ValueError(f"{name_or_path!r}: {exc}") from exc
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
 
@@ -120,8 +165,13 @@ def save_policy(model, tok, out_dir: str | Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
     model = model.module if hasattr(model, "module") else model
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+    except BaseException:  # a full disk: leave no half-written temp dir behind
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old.{os.getpid()}")
         os.replace(out_dir, old)

@@ -28,6 +28,7 @@ CORRECT_REWARD = 1.0
 FORMAT_BONUS = 0.2  # for exactly one well-formed <answer>N</answer> block
 MAX_REWARD = 1.2  # CORRECT_REWARD + FORMAT_BONUS
 REL_TOL = Fraction(1, 10**6)  # |a - b| <= REL_TOL * max(1, |gold|)
+FLOAT32_MAX = 3.4028234663852886e38  # largest finite float32: rewards become a float32 tensor
 MAX_NUMBER_CHARS = 64  # longer digit strings are rejected, not converted (int() on 200k digits is slow)
 
 _OPEN, _CLOSE, _BOXED = "<answer>", "</answer>", "\\boxed{"
@@ -333,4 +334,8 @@ def combine_rewards(specs, prompts: list[str], completions: list, columns: dict[
         if name in breakdown:
             raise ValueError(f"reward function {name!r} is listed twice; merge the entries into one weight")
         breakdown[name] = row
+    for i, t in enumerate(totals):  # the trainer holds rewards in float32: beyond its range is inf
+        if not abs(t) <= FLOAT32_MAX:
+            raise ValueError(f"weighted reward at index {i} is {t!r}, outside the float32 range (|r| <= "
+                             f"{FLOAT32_MAX:.3g}) the trainer uses; rescale the reward functions or weights")
     return totals, breakdown

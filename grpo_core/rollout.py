@@ -1,15 +1,25 @@
 """Sampling completions and scoring their tokens, with the same positions in both.
 
-``generate_rollouts`` samples G completions per prompt with transformers' ``generate`` (KV
-cache, left padding, stop at EOS). ``completion_logprobs`` re-scores those tokens with a
-forward pass that passes the *same* position ids ``generate`` used (``cumsum(mask) - 1``):
-without them a left-padded batch is scored at shifted positions and the on-policy gradient
-silently becomes off-policy. Log-probs are taken at the sampling temperature, and only the
-completion positions' logits are computed (``logits_to_keep``), never a [B, P+T, V] tensor.
+``generate_rollouts`` samples G completions per prompt (KV cache, left padding, stop at EOS).
+For Llama/Qwen2-style decoders on SDPA it uses ``sample_shared_prefix``: each prompt is prefilled
+once and its KV cache is copied G times into a preallocated buffer, then a lean loop over the
+model's own layers samples with ``torch.multinomial`` from softmax(logits / T) (top-k / top-p via
+transformers' warpers), stopping when every sequence has emitted EOS. It gives exactly
+``generate``'s tokens under greedy decoding (tests/test_fast_rollout.py); other models use
+``generate``. ``completion_logprobs`` re-scores the tokens with the *same* position ids
+(``cumsum(mask) - 1``): without them a left-padded batch is scored at shifted positions and the
+on-policy gradient silently becomes off-policy. When the G rows of every group share one prompt,
+the prompt is run once per group and its (differentiable) KV cache is shared by the G completions.
+Log-probs are taken at the sampling temperature, and only the completion positions' logits are
+computed, never a [B, P+T, V] tensor.
 """
 from __future__ import annotations
 
+import inspect
+import sys
+
 import torch
+import torch.nn.functional as F
 
 from grpo_core.algorithm import token_entropy, token_logprobs
 from grpo_core.types import RolloutBatch
@@ -45,18 +55,27 @@ def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> tuple[torch.Te
 
 def generate_rollouts(model, tok, rows: list[dict], group_size: int, *, temperature: float,
                       top_p: float, top_k: int, max_new_tokens: int, max_prompt_tokens: int,
-                      greedy: bool = False) -> RolloutBatch:
-    """Sample ``group_size`` completions for each row (group-contiguous)."""
+                      greedy: bool = False, engine: str = "auto") -> RolloutBatch:
+    """Sample ``group_size`` completions for each row (group-contiguous).
+
+    engine: "auto" (the shared-prefix decoder where ``fast_decode_supported``, else generate),
+    "fast" (insist on it) or "generate".
+    """
+    if engine not in ("auto", "fast", "generate"):
+        raise ValueError(f"engine must be 'auto', 'fast' or 'generate', got {engine!r}")
     prompts = [r["prompt"] for r in rows]
     ids, mask = encode_prompts(tok, prompts, max_prompt_tokens, [r.get("id", "") for r in rows])
-    ids = ids.repeat_interleave(group_size, 0).to(model.device)              # [B, P]
-    mask = mask.repeat_interleave(group_size, 0).to(model.device)            # [B, P]
-    sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k}
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=not greedy,
-                             max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
-                             eos_token_id=tok.eos_token_id, use_cache=True, **sampling)
-    comp = out[:, ids.shape[1]:].clone()  # [B, T]; a normal tensor again, usable by autograd
+    ids, mask = ids.to(model.device), mask.to(model.device)                  # [N, P]
+    fast = engine == "fast" or (engine == "auto" and fast_decode_supported(model))
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
+    if fast:
+        comp = sample_shared_prefix(model, ids, mask, group_size, max_new_tokens=max_new_tokens,
+                                    eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, **sampling)
+    else:
+        comp = _generate(model, ids, mask, group_size, max_new_tokens, tok.eos_token_id, tok.pad_token_id,
+                         **sampling)
+    ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # [B, P]
+    comp = comp.clone()  # [B, T]; a normal tensor again (not an inference tensor), usable by autograd
     cmask, truncated = completion_mask(comp, tok.eos_token_id)
     comp = comp.masked_fill(~cmask, tok.pad_token_id)
     texts = tok.batch_decode(comp, skip_special_tokens=True)
@@ -65,6 +84,171 @@ def generate_rollouts(model, tok, rows: list[dict], group_size: int, *, temperat
                         [p for p in prompts for _ in range(group_size)], texts, columns)
 
 
+def _generate(model, ids, mask, group_size, max_new_tokens, eos_id, pad_id, *, temperature, top_p, top_k,
+              greedy):
+    """transformers' ``generate`` on the prompts repeated G times: completion ids [B, T]."""
+    ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # [B, P]
+    sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=not greedy,
+                             max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id,
+                             use_cache=True, **sampling)
+    return out[:, ids.shape[1]:]
+
+
+# ----------------------------------------------------------------------------- shared-prefix decoding
+
+FAST_DECODE_MODEL_TYPES = ("llama", "qwen2")  # pre-norm RMSNorm, rotary, q/k/v/o attention, SiLU-gated MLP
+
+
+def fast_decode_supported(model) -> bool:
+    """Whether ``sample_shared_prefix`` mirrors this model's layers exactly (else use generate)."""
+    cfg, inner = getattr(model, "config", None), getattr(model, "model", None)
+    if cfg is None or inner is None or getattr(cfg, "model_type", None) not in FAST_DECODE_MODEL_TYPES:
+        return False
+    if getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(cfg, "use_sliding_window", False):
+        return False
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return False
+    if model.training and getattr(cfg, "attention_dropout", 0.0):  # generate would drop attention weights
+        return False
+    try:
+        layer = inner.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        return (getattr(cfg, "hidden_act", None) == "silu" and hasattr(inner, "rotary_emb")
+                and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim"))
+                and not hasattr(attn, "q_norm") and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+                and all(hasattr(m, "variance_epsilon") for m in (layer.input_layernorm, inner.norm)))
+    except (AttributeError, IndexError, TypeError):  # wrapped or unusual models: use generate
+        return False
+
+
+def _cache_kwarg(model) -> str:
+    """transformers 5.x renamed ``past_key_values`` to ``cache``; accept either."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _prefill(model, ids, mask, logits_to_keep: int = 1):
+    """Run left-padded prompts [N, P] with generate's position ids; returns (output, DynamicCache)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                logits_to_keep=logits_to_keep, **{_cache_kwarg(model): cache})
+    return out, cache
+
+
+def _warp(logits, temperature: float, top_k: int, top_p: float):
+    """The warpers generate applies when sampling, in generate's order: temperature, top-k, top-p."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+    if temperature != 1.0:
+        logits = TemperatureLogitsWarper(temperature)(None, logits)
+    if top_k:
+        logits = TopKLogitsWarper(top_k=top_k)(None, logits)
+    if top_p < 1.0:
+        logits = TopPLogitsWarper(top_p=top_p)(None, logits)
+    return logits
+
+
+def _rms_norm(x, norm):
+    """transformers' Llama/Qwen2 RMSNorm, op for op (float32 statistics, weight applied last)."""
+    dtype, x = x.dtype, x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x.to(dtype)
+
+
+class _Stepper:
+    """One decode step through the model's own weights and ops, minus the module-call overhead."""
+
+    def __init__(self, model, max_len: int):
+        self.model, self.inner = model, model.model
+        attn = self.inner.layers[0].self_attn
+        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.lin = [[(m.weight, m.bias) for m in (l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj,
+                     l.self_attn.o_proj, l.mlp.gate_proj, l.mlp.up_proj, l.mlp.down_proj)] for l in self.inner.layers]
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.table = None
+        if getattr(self.inner.rotary_emb, "rope_type", "default") == "default":  # cos/sin of every position, once
+            w = self.inner.embed_tokens.weight
+            self.table = self.inner.rotary_emb(w[:1, None], torch.arange(max_len, device=w.device)[None])
+
+    def __call__(self, tokens, pos, keys, values, n: int, attend):
+        """tokens [B], pos [B, 1]; writes K/V at slot ``n`` of the buffers; returns logits [B, V] (float32)."""
+        B, D, inner = tokens.shape[0], self.head_dim, self.inner
+        h = inner.embed_tokens(tokens[:, None])                                 # [B, 1, H]
+        if self.table is not None:
+            cos, sin = self.table[0][0, pos], self.table[1][0, pos]              # [B, 1, D]
+        else:
+            cos, sin = inner.rotary_emb(h, pos)
+        for layer, (q_w, k_w, v_w, o_w, g_w, u_w, d_w), kbuf, vbuf in zip(inner.layers, self.lin, keys, values):
+            x = _rms_norm(h, layer.input_layernorm)
+            q = F.linear(x, *q_w).view(B, 1, -1, D).transpose(1, 2)              # [B, nh, 1, D]
+            k = F.linear(x, *k_w).view(B, 1, -1, D).transpose(1, 2)              # [B, nkv, 1, D]
+            v = F.linear(x, *v_w).view(B, 1, -1, D).transpose(1, 2)
+            q, k = self.rope(q, k, cos, sin)
+            kbuf[:, :, n] = k[:, :, 0]
+            vbuf[:, :, n] = v[:, :, 0]
+            q = q.reshape(B, kbuf.shape[1], -1, D)  # GQA: a KV head's query heads as rows (as transformers does)
+            o = F.scaled_dot_product_attention(q, kbuf, vbuf, attn_mask=attend, scale=self.scaling)
+            h = h + F.linear(o.reshape(B, -1, 1, D).transpose(1, 2).reshape(B, 1, -1), *o_w)
+            x = _rms_norm(h, layer.post_attention_layernorm)
+            h = h + F.linear(F.silu(F.linear(x, *g_w)) * F.linear(x, *u_w), *d_w)
+        return self.model.lm_head(_rms_norm(h, inner.norm))[:, -1].float()
+
+
+@torch.inference_mode()
+def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: int, eos_id: int, pad_id: int,
+                         temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
+                         step_logits: list | None = None):
+    """G completions per left-padded prompt [N, P] -> token ids [N*G, T'] (T' <= max_new_tokens).
+
+    Each prompt is prefilled once; its K/V are copied G times into buffers [B, nkv, P+T, D] that
+    the decode steps fill in place (a bool mask hides padding and unwritten slots). Finished rows
+    get ``pad_id``, as generate does; decoding stops once every row has emitted EOS. If
+    ``step_logits`` is a list, the raw float32 logits of each step [B, V] are appended to it.
+    """
+    G, T = group_size, max_new_tokens
+    (N, P), dev = ids.shape, ids.device
+    B = N * G
+    out, cache = _prefill(model, ids, mask)
+    logits = out.logits[:, -1].float().repeat_interleave(G, 0)              # [B, V]
+    keys, values = [], []
+    for layer in cache.layers:
+        for src, dst in ((layer.keys, keys), (layer.values, values)):
+            buf = src.new_zeros(B, src.shape[1], P + T, src.shape[-1])       # [B, nkv, P+T, D]
+            buf[:, :, :P] = src.repeat_interleave(G, 0)
+            dst.append(buf)
+    del out, cache
+    attend = torch.zeros(B, 1, 1, P + T, dtype=torch.bool, device=dev)      # [B, 1, 1, P+T]
+    attend[:, 0, 0, :P] = mask.bool().repeat_interleave(G, 0)
+    pos = mask.sum(-1).repeat_interleave(G)[:, None] - 1                     # [B, 1] last prompt position
+    step = _Stepper(model, P + T)
+    tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)       # [B, T]
+    unfinished = torch.ones(B, dtype=torch.bool, device=dev)
+    for t in range(T):
+        if step_logits is not None:
+            step_logits.append(logits.clone())
+        if greedy:
+            nxt = logits.argmax(-1)
+        else:
+            probs = torch.softmax(_warp(logits, temperature, top_k, top_p), dim=-1)
+            nxt = torch.multinomial(probs, num_samples=1).squeeze(1)        # [B]
+        nxt = torch.where(unfinished, nxt, pad_id)
+        tokens[:, t] = nxt
+        unfinished &= nxt != eos_id
+        if t == T - 1 or not unfinished.any():
+            break
+        pos = pos + 1
+        attend[:, 0, 0, P + t] = True
+        logits = step(nxt, pos, keys, values, P + t, attend)
+    return tokens[:, :t + 1]
+
+
+# ----------------------------------------------------------------------------- scoring
+
 def _forward_inputs(batch: RolloutBatch, device):
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1).to(device)            # [B, P+T]
     attn = torch.cat([batch.prompt_mask, batch.completion_mask.long()], 1).to(device)  # [B, P+T]
@@ -72,17 +256,49 @@ def _forward_inputs(batch: RolloutBatch, device):
     return ids, attn, pos
 
 
+def groups_share_prompts(batch: RolloutBatch) -> bool:
+    """True when the G rows of every group hold the same prompt tokens and mask."""
+    G = batch.group_size
+    if len(batch) % G:
+        return False
+    ids = batch.prompt_ids.view(-1, G, batch.prompt_ids.shape[1])                      # [N, G, P]
+    mask = batch.prompt_mask.view(-1, G, batch.prompt_mask.shape[1])
+    return bool((ids == ids[:, :1]).all() and (mask == mask[:, :1]).all())
+
+
+def _shared_prefix_logits(model, batch: RolloutBatch, device):
+    """Completion-position logits [B, T, V]: each prompt run once, its KV cache repeated G times.
+
+    The cache keeps its autograd graph, so gradients reach the prompt positions as in a full
+    forward. Same positions and mask as ``_forward_inputs``; equal to it up to float rounding.
+    """
+    G, (B, P), T = batch.group_size, batch.prompt_ids.shape, batch.completion_ids.shape[1]
+    out, cache = _prefill(model, batch.prompt_ids[::G].to(device), batch.prompt_mask[::G].to(device))
+    first = out.logits[:, -1:].repeat_interleave(G, 0)                                 # [B, 1, V]
+    if T == 1:
+        return first
+    cache.batch_repeat_interleave(G)
+    _, attn, pos = _forward_inputs(batch, device)
+    rest = model(input_ids=batch.completion_ids[:, :-1].to(device), attention_mask=attn[:, :-1],
+                 position_ids=pos[:, P:-1], use_cache=True, **{_cache_kwarg(model): cache}).logits
+    return torch.cat([first, rest], 1)                                                 # [B, T, V]
+
+
 def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_entropy: bool = False):
     """Per-token log-probs of the completion tokens [B, T] (and entropy [B, T] if asked)."""
     device = next(model.parameters()).device
-    ids, attn, pos = _forward_inputs(batch, device)
     T = batch.completion_ids.shape[1]
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                   logits_to_keep=T + 1, use_cache=False).logits[:, :-1]        # [B, T, V]
+    # DDP needs exactly one forward per backward, so a wrapped model takes the full forward
+    if groups_share_prompts(batch) and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        logits = _shared_prefix_logits(model, batch, device)                           # [B, T, V]
+    else:
+        ids, attn, pos = _forward_inputs(batch, device)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                       logits_to_keep=T + 1, use_cache=False).logits[:, :-1]           # [B, T, V]
     targets = batch.completion_ids.to(device)
-    logp = token_logprobs(logits, targets, temperature)                         # [B, T]
+    logp = token_logprobs(logits, targets, temperature)                                # [B, T]
     if not with_entropy:
         return logp, None
     with torch.no_grad():
-        ent = token_entropy(logits.detach(), temperature)                       # [B, T]
+        ent = token_entropy(logits.detach(), temperature)                              # [B, T]
     return logp, ent

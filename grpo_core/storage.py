@@ -87,7 +87,11 @@ def put_dir(local_dir: str | Path, uri: str) -> str:
             return uri
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
-        shutil.copytree(local_dir, tmp, dirs_exist_ok=True)
+        try:
+            shutil.copytree(local_dir, tmp, dirs_exist_ok=True)
+        except BaseException:  # a full disk: leave the old copy and no temp dir behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if dest.exists():
             old = dest.with_name(f".{dest.name}.old.{os.getpid()}")
             os.replace(dest, old)

@@ -180,8 +180,10 @@ class Trainer:
             self.state["skipped_updates"] += 1
             self.state["nonfinite_in_a_row"] += 1
             if self.state["nonfinite_in_a_row"] >= MAX_NONFINITE_IN_A_ROW:
-                raise NonFiniteError(f"[{self.cfg.stage}] {MAX_NONFINITE_IN_A_ROW} non-finite updates in a row; "
-                                     "stopping with the last good checkpoint intact. Lower lr or check rewards.")
+                raise NonFiniteError(f"[{self.cfg.stage}] {MAX_NONFINITE_IN_A_ROW} non-finite updates in a row "
+                                     f"(non-finite loss or gradient norm; last on this rank: loss={loss.item()}, "
+                                     f"grad_norm={norm}); all were skipped, so the weights and the last good "
+                                     "checkpoint are intact. Lower lr or check the rewards' scale.")
             return float("nan")
         self.state["nonfinite_in_a_row"] = 0
         self.opt.step()
@@ -286,10 +288,11 @@ class Trainer:
                 dist.print0(f"[{c.stage}] promotion gate: {c.gate_metric} >= {c.gate_threshold} "
                             f"({c.gate_patience}x) at iteration {it}; moving on")
                 break
-        return self.finish(it, promoted)
+        return self.finish(it, promoted, resumed_from=start)
 
-    def finish(self, it: int, promoted: bool) -> dict:
+    def finish(self, it: int, promoted: bool, resumed_from: int = 0) -> dict:
         summary = {"stage": self.cfg.stage, "iterations_run": it, "promoted_by_gate": promoted,
+                   "resumed_from_iteration": resumed_from,
                    "skipped_updates": self.state["skipped_updates"]}
         if self.info.is_main:
             final = save_policy(self.model, self.tok, self.out / "final")

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
-GSM8K_DIR = Path(__import__("os").environ.get("GSM8K_DIR", REPO.parent / "shared" / "data" / "gsm8k"))
+GSM8K_DIR = Path(__import__("os").environ.get("GSM8K_DIR", REPO.parent / "shared" / "data" / "gsm8k")).resolve()
 
 
 def tiny_model_dir(path: Path, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:

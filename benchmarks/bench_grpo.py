@@ -1,0 +1,281 @@
+"""GRPO iteration speed: our trainer vs TRL's GRPOTrainer on the same config, side by side.
+
+    .venv/bin/python benchmarks/bench_grpo.py                     # all configs, ours vs TRL, ABAB
+    .venv/bin/python benchmarks/bench_grpo.py --configs ref --repeats 5 --iters 10
+    .venv/bin/python benchmarks/bench_grpo.py --quick             # smoke run: tiny, ours only, seconds
+
+Each measurement is one subprocess (one side, one config), so its peak RSS is that side's alone.
+The parent alternates the sides (ours, TRL, ours, TRL, ...: ABAB) so that machine noise hits both
+alike, and reports per side the median over runs of each run's median seconds per iteration (the
+first ``--warmup`` iterations of every run are excluded), completion tokens per second, the time
+split, peak RSS, mean completion length, and ours/TRL ratios (of medians, and the median of the
+per-pair ratios). Results go to ``benchmarks/results/<name>.json``.
+
+Both sides: random-init Llama + character tokenizer saved to a directory (TRL reloads its reference
+model from that path), the arithmetic prompts rendered by our chat template, the same reward
+(``grpo_core.rewards.target_char_fraction``), beta 0.04 (k3 KL, reference forward), dapo loss,
+group-std advantages (eps 1e-4), clip 0.2, one update per rollout batch, AdamW lr 1e-4 constant,
+grad-norm clip 1.0, temperature 1.0, top_k 0, top_p 1.0, stop at EOS or max_new_tokens, fp32.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # grpo_core, also when run as a plain script
+RESULTS = ROOT / "benchmarks" / "results"
+REWARD_FN = "grpo_core.rewards:target_char_fraction"
+# name -> model and rollout shape; "ref" is the issue's reference config
+CONFIGS = {
+    "ref": dict(hidden=64, layers=2, heads=4, group_size=8, prompts=8, max_new_tokens=32),
+    "h128": dict(hidden=128, layers=2, heads=4, group_size=8, prompts=8, max_new_tokens=32),
+    "t64": dict(hidden=64, layers=2, heads=4, group_size=8, prompts=8, max_new_tokens=64),
+    "g16": dict(hidden=64, layers=2, heads=4, group_size=16, prompts=8, max_new_tokens=32),
+    "quick": dict(hidden=32, layers=1, heads=2, group_size=4, prompts=2, max_new_tokens=8),
+}
+COMMON = dict(beta=0.04, lr=1e-4, temperature=1.0, top_k=0, top_p=1.0, clip=0.2, max_grad_norm=1.0,
+              loss_type="dapo", seed=0)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def summarize(per_iter: list[dict], warmup: int) -> dict:
+    """Median seconds/iteration and split over the iterations after the warm-up ones."""
+    kept = per_iter[warmup:] or per_iter
+    med = lambda k: statistics.median(r[k] for r in kept)  # noqa: E731
+    tokens = sum(r["tokens"] for r in kept)
+    seconds = sum(r["total"] for r in kept)
+    out = {"s_per_iter": med("total"), "cpu_s_per_iter": med("cpu"), "tokens_per_s": tokens / seconds,
+           "mean_completion_len": tokens / sum(r["completions"] for r in kept),
+           "split_s": {k: med(k) for k in ("generate", "reward", "ref_old_logp", "fwd_bwd_step")},
+           "iters_measured": len(kept), "iters_warmup": len(per_iter) - len(kept),
+           "all_s_per_iter": [round(r["total"], 4) for r in per_iter]}
+    return out
+
+
+def build_model_dir(spec: dict, path: Path) -> Path:
+    from grpo_core.models import build_tiny, save_policy
+
+    model, tok = build_tiny("llama", spec["hidden"], spec["layers"], spec["heads"], seed=COMMON["seed"])
+    return save_policy(model, tok, path)
+
+
+# ----------------------------------------------------------------------------- our side
+
+# Our speed levers, each of which a side named "ours-<lever>" switches off (before/after in one run)
+LEVERS = {"decode": "shared-prefix decode loop (else transformers generate)",
+          "score": "shared-prefix scoring forward for reference and policy (else full forward)"}
+
+
+def disable_levers(names: list[str]) -> None:
+    from grpo_core import rollout
+
+    for name in names:
+        if name not in LEVERS:
+            raise SystemExit(f"unknown lever {name!r}; known: {sorted(LEVERS)}")
+        if name == "decode":
+            rollout.fast_decode_supported = lambda model: False
+        if name == "score":
+            rollout.groups_share_prompts = lambda batch: False
+
+
+def run_ours(spec: dict, model_dir: str, iters: int, warmup: int) -> list[dict]:
+    import torch
+
+    from grpo_core import dist
+    from grpo_core.config import GRPOConfig
+    from grpo_core.trainer import Trainer, iteration_seed
+
+    out_dir = tempfile.mkdtemp(prefix="bench_ours_")
+    cfg = GRPOConfig(model=model_dir, task="arithmetic", rewards=[{"fn": REWARD_FN, "weight": 1.0}],
+                     group_size=spec["group_size"], prompts_per_iter=spec["prompts"],
+                     iterations=iters + warmup, max_new_tokens=spec["max_new_tokens"], beta=COMMON["beta"],
+                     lr=COMMON["lr"], temperature=COMMON["temperature"], top_k=COMMON["top_k"],
+                     top_p=COMMON["top_p"], clip_low=COMMON["clip"], max_grad_norm=COMMON["max_grad_norm"],
+                     loss_type=COMMON["loss_type"], mu=1, seed=COMMON["seed"], output_dir=out_dir)
+    trainer = Trainer(cfg, dist.init())
+    rows = []
+    for it in range(1, iters + warmup + 1):  # the body of Trainer.run without checkpoints / eval
+        trainer.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
+        torch.manual_seed(iteration_seed(cfg.seed, it, 0))
+        t0, c0 = time.perf_counter(), time.process_time()
+        batch, roll = trainer.rollout()
+        upd = trainer.update(batch)
+        m = trainer._metrics(it, batch, roll, upd, time.perf_counter() - t0)
+        total = time.perf_counter() - t0
+        t = trainer.timings
+        rows.append({"total": total, "cpu": time.process_time() - c0, "generate": t["time_generate"], "reward": t["time_reward"],
+                     "ref_old_logp": t["time_ref"], "fwd_bwd_step": t["time_update"] - t["time_ref"],
+                     "tokens": float(batch.completion_mask.sum()), "completions": len(batch),
+                     "reward_mean": m["reward"], "kl": m["kl"]})
+    return rows
+
+
+def worker(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    spec = CONFIGS[args.config]
+    t0 = time.perf_counter()
+    if args.worker.startswith("ours"):
+        disable_levers(args.worker.split("-")[1:])
+        rows = run_ours(spec, args.model_dir, args.iters, args.warmup)
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from trl_runner import run_trl
+
+        rows = run_trl(spec, COMMON, REWARD_FN, args.model_dir, args.iters, args.warmup)
+    res = summarize(rows, args.warmup)
+    res.update(side=args.worker, config=args.config, threads=torch.get_num_threads(),
+               peak_rss_mb=round(peak_rss_mb(), 1), wall_s=round(time.perf_counter() - t0, 2),
+               final_reward=rows[-1].get("reward_mean"), final_kl=rows[-1].get("kl"))
+    return res
+
+
+# ----------------------------------------------------------------------------- the parent: ABAB
+
+def run_side(side: str, config: str, model_dir: Path, args) -> dict:
+    cmd = [sys.executable, __file__, "--worker", side, "--config", config, "--model-dir", str(model_dir),
+           "--iters", str(args.iters), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{side}/{config} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare(runs: dict[str, list[dict]]) -> dict:
+    med = lambda side, f: statistics.median(f(r) for r in runs[side])  # noqa: E731
+    out = {}
+    for side, rs in runs.items():
+        out[side] = {"s_per_iter": med(side, lambda r: r["s_per_iter"]),
+                     "cpu_s_per_iter": med(side, lambda r: r["cpu_s_per_iter"]),
+                     "tokens_per_s": med(side, lambda r: r["tokens_per_s"]),
+                     "peak_rss_mb": med(side, lambda r: r["peak_rss_mb"]),
+                     "mean_completion_len": med(side, lambda r: r["mean_completion_len"]),
+                     "split_s": {k: med(side, lambda r, k=k: r["split_s"][k]) for k in rs[0]["split_s"]},
+                     "runs_s_per_iter": [round(r["s_per_iter"], 4) for r in rs]}
+    base = "trl" if "trl" in runs else None
+    for side in runs:
+        if base and side != base:  # paired ratios: run i of this side against run i of the baseline
+            pairs = [a["s_per_iter"] / b["s_per_iter"] for a, b in zip(runs[side], runs[base])]
+            out[side].update(ratio_vs_trl=out[side]["s_per_iter"] / out[base]["s_per_iter"],
+                             ratio_vs_trl_pairs_median=statistics.median(pairs),
+                             ratio_vs_trl_pairs=[round(p, 3) for p in pairs],
+                             cpu_ratio_vs_trl=out[side]["cpu_s_per_iter"] / out[base]["cpu_s_per_iter"],
+                             rss_ratio_vs_trl=out[side]["peak_rss_mb"] / out[base]["peak_rss_mb"])
+    return out
+
+
+def machine() -> dict:
+    import platform
+
+    import torch
+    import transformers
+
+    info = {"nproc": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "cpu": platform.processor() or platform.machine()}
+    try:
+        import trl
+        info["trl"] = trl.__version__
+    except ImportError:
+        info["trl"] = None
+    return info
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="ref,h128,t64,g16", help=f"comma list of {sorted(CONFIGS)}")
+    p.add_argument("--sides", default="ours,trl",
+                   help="comma list run in turn (ABAB...): ours, trl, or ours-<lever>[-<lever>] to switch "
+                        f"levers off: {', '.join(f'{k} = {v}' for k, v in LEVERS.items())}")
+    p.add_argument("--iters", type=int, default=8, help="measured iterations per run")
+    p.add_argument("--warmup", type=int, default=2, help="iterations per run excluded from the timing")
+    p.add_argument("--repeats", type=int, default=3, help="runs per side and config (alternated)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads in every run (both sides)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds allowed per run")
+    p.add_argument("--name", default=None, help="results file name (default: bench_<configs>.json)")
+    p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny config, ours only, 1+1 iterations")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--table", metavar="JSON", help="print the markdown table of a results file and exit")
+    args = p.parse_args(argv)
+    if args.table:
+        print(markdown_table(json.loads(Path(args.table).read_text())))
+        return {}
+    if args.worker:
+        print(json.dumps(worker(args)), flush=True)
+        return {}
+    if args.quick:
+        args.configs, args.sides, args.iters, args.warmup, args.repeats = "quick", "ours", 2, 1, 1
+        args.name = args.name or "quick"
+    sides = [s for s in args.sides.split(",") if s]
+    configs = [c for c in args.configs.split(",") if c]
+    report = {"machine": machine(), "threads": args.threads, "iters": args.iters, "warmup": args.warmup,
+              "repeats": args.repeats, "common": COMMON, "command": " ".join([Path(sys.executable).name] + sys.argv),
+              "configs": {}}
+    with tempfile.TemporaryDirectory(prefix="bench_models_") as tmp:
+        for name in configs:
+            model_dir = build_model_dir(CONFIGS[name], Path(tmp) / name)
+            runs = {s: [] for s in sides}
+            for r in range(args.repeats):
+                for side in sides:
+                    res = run_side(side, name, model_dir, args)
+                    runs[side].append(res)
+                    print(f"[{name} #{r + 1}] {side:10s} {res['s_per_iter']:.4f} s/iter "
+                          f"(cpu {res['cpu_s_per_iter']:.4f}) "
+                          f"{res['tokens_per_s']:8.0f} tok/s  rss {res['peak_rss_mb']:.0f} MB  "
+                          f"len {res['mean_completion_len']:.1f}  split {fmt_split(res['split_s'])}", flush=True)
+            report["configs"][name] = {"spec": CONFIGS[name], "summary": compare(runs), "runs": runs}
+            print_summary(name, report["configs"][name]["summary"])
+    out = Path(args.out_dir) / f"{args.name or 'bench_' + '_'.join(configs)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}\n\n{markdown_table(report)}")
+    return report
+
+
+def markdown_table(report: dict) -> str:
+    """The NOTES.md results table: one row per config and side."""
+    lines = ["| config | side | median s/iter | CPU s/iter | tokens/s | peak RSS MB | mean len | s/iter vs TRL "
+             "(of medians; median of pairs) | CPU vs TRL | RSS vs TRL |", "|" + "---|" * 10]
+    for name, c in report["configs"].items():
+        for side, v in c["summary"].items():
+            if not isinstance(v, dict):  # files written before per-side ratios keep them at this level
+                continue
+            f = lambda k, spec=".2f": format(v[k], spec) if k in v else "-"  # noqa: E731  (older files lack cpu)
+            r = (f"{f('ratio_vs_trl')}; {f('ratio_vs_trl_pairs_median')} | {f('cpu_ratio_vs_trl')} | "
+                 f"{f('rss_ratio_vs_trl')}") if "ratio_vs_trl" in v else "- | - | -"
+            lines.append(f"| {name} | {side} | {v['s_per_iter']:.3f} | {f('cpu_s_per_iter', '.3f')} | "
+                         f"{v['tokens_per_s']:.0f} | {v['peak_rss_mb']:.0f} | {v['mean_completion_len']:.1f} | {r} |")
+    return "\n".join(lines)
+
+
+def fmt_split(split: dict) -> str:
+    return " ".join(f"{k[:6]}={v:.3f}" for k, v in split.items())
+
+
+def print_summary(name: str, summary: dict) -> None:
+    for side, v in summary.items():
+        ratio = (f"  ratio vs TRL {v['ratio_vs_trl']:.3f} (pairs median {v['ratio_vs_trl_pairs_median']:.3f}, "
+                 f"cpu {v['cpu_ratio_vs_trl']:.3f}, rss {v['rss_ratio_vs_trl']:.2f})") if "ratio_vs_trl" in v else ""
+        print(f"== {name} {side:10s} median {v['s_per_iter']:.4f} s/iter  {v['tokens_per_s']:.0f} tok/s  "
+              f"rss {v['peak_rss_mb']:.0f} MB  len {v['mean_completion_len']:.1f}{ratio}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The TRL side of ``bench_grpo.py``: ``trl.GRPOTrainer`` on the same config as our trainer.
+
+Called inside a worker subprocess (``run_trl``); returns one dict per optimizer step with the same
+keys as our side. Timing is per step (``on_step_begin`` -> ``on_step_end``: generation, rewards,
+reference log-probs, forward+backward+optimizer step); the split comes from wrapping TRL's own
+methods: ``_generate_single_turn`` (HF generate), ``_calculate_rewards``, and the no-grad calls of
+``_get_per_token_logps_and_entropies`` (reference / old log-probs). "fwd_bwd_step" is the rest.
+
+Settings chosen to do the same work as our side (see bench_grpo.COMMON): beta 0.04 so the reference
+model is loaded (from the model directory's path), ``use_bias_correction_kl=False`` (our k3 KL is not
+multiplied by the ratio), dapo loss, group std, constant lr, 64 completions per step (one generation
+and one optimizer step per batch: ``steps_per_generation=1``, ``num_iterations=1``).
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+
+
+def _timed(obj, name: str, acc: dict, key: str, only_no_grad: bool = False):
+    import torch
+
+    fn = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        if only_no_grad and torch.is_grad_enabled():
+            return fn(*a, **k)
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[key] += time.perf_counter() - t0
+
+    setattr(obj, name, wrapper)
+
+
+def _dataset(model_dir: str, n: int):
+    """The arithmetic training prompts, rendered with the same chat template as our rollouts."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from grpo_core.data import arithmetic_rows
+    from grpo_core.rollout import render_prompts
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = arithmetic_rows()
+    prompts = render_prompts(tok, [r["prompt"] for r in rows])
+    reps = -(-n // len(prompts))
+    return Dataset.from_dict({"prompt": (prompts * reps)[:n]}), tok
+
+
+def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int, warmup: int) -> list[dict]:
+    import torch
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_core.rewards import load_reward_fn
+    from grpo_core.models import prepare_tokenizer
+
+    steps = iters + warmup
+    G, P = spec["group_size"], spec["prompts"]
+    dataset, tok = _dataset(model_dir, P * (steps + 2))
+    tok = prepare_tokenizer(tok)
+    out_dir = tempfile.mkdtemp(prefix="bench_trl_")
+    args = GRPOConfig(
+        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        per_device_train_batch_size=G * P, gradient_accumulation_steps=1, num_generations=G,
+        steps_per_generation=1, num_iterations=1, max_steps=steps, max_completion_length=spec["max_new_tokens"],
+        temperature=common["temperature"], top_k=common["top_k"], top_p=common["top_p"], beta=common["beta"],
+        epsilon=common["clip"], learning_rate=common["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=common["max_grad_norm"], loss_type=common["loss_type"],
+        scale_rewards="group", use_bias_correction_kl=False, mask_truncated_completions=False,
+        seed=common["seed"], dataloader_num_workers=0, log_completions=False)
+    reward = load_reward_fn(reward_fn)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=tok)
+    assert trainer.ref_model is not None, "beta > 0 must load a reference model"
+
+    acc = dict.fromkeys(("generate", "reward", "ref_old_logp"), 0.0)
+    lengths: list[int] = []
+    rows: list[dict] = []
+    _timed(trainer, "_generate_single_turn", acc, "generate")
+    _timed(trainer, "_calculate_rewards", acc, "reward")
+    _timed(trainer, "_get_per_token_logps_and_entropies", acc, "ref_old_logp", only_no_grad=True)
+    gen = trainer._generate
+
+    def counting_generate(prompts):
+        out = gen(prompts)
+        lengths.extend(len(c) for c in out[1])  # completion_ids, cut after EOS
+        return out
+
+    trainer._generate = counting_generate
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            for k in acc:
+                acc[k] = 0.0
+            lengths.clear()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, *_, **__):
+            total = time.perf_counter() - self.t0
+            rest = total - sum(acc.values())
+            m = trainer._metrics["train"]
+            rows.append({"total": total, "cpu": time.process_time() - self.c0, **acc, "fwd_bwd_step": rest,
+                         "tokens": float(sum(lengths)),
+                         "completions": len(lengths), "reward_mean": _last(m, "reward"),
+                         "kl": _last(m, "kl")})
+
+    trainer.add_callback(StepTimer())
+    torch.manual_seed(common["seed"])
+    trainer.train()
+    if len(rows) != steps:
+        raise RuntimeError(f"TRL ran {len(rows)} steps, expected {steps}")
+    return rows
+
+
+def _last(metrics: dict, key: str):
+    vals = metrics.get(key) or []
+    return float(vals[-1]) if vals else None

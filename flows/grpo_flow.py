@@ -1,0 +1,119 @@
+"""GRPO post-training, end to end.
+
+1. start            validate the config, fingerprint the datasets, open the MLflow parent run
+2. load_sft         the SFT checkpoint (offline default: bootstrap + SFT a tiny model here)
+3. curriculum_grpo  torchrun GRPO on generated arithmetic (promotion gate may end it early)
+4. gsm8k_grpo       torchrun GRPO on GSM8K train, from the curriculum checkpoint
+5. evaluate         greedy held-out accuracy of every stage's checkpoint (foreach), joined
+6. register         MLflow Model Registry: champion/challenger by a paired test
+7. end              summary table
+
+    python flows/grpo_flow.py run                                          # local default
+    python flows/grpo_flow.py --datastore s3 --config cfg flows/configs/kubernetes.toml run
+    python flows/grpo_flow.py resume                                       # after a failure
+"""  # noqa: E402 (the user-name default must be set before metaflow is imported)
+import os
+from pathlib import Path
+
+# Metaflow refuses to run without a user name (and as 'root'); containers often have neither.
+if all(os.environ.get(v, "root") == "root" for v in ("METAFLOW_USER", "USERNAME", "USER")):
+    os.environ["METAFLOW_USER"] = "grpo"
+
+from metaflow import Config, FlowSpec, card, current, step
+
+from compute import train_compute
+from grpo_core import pipeline
+from cards import stage_table_card, training_card
+from grpo_core.config import PipelineConfig, parse_config_text
+
+LOCAL_DEFAULT = str(Path(__file__).resolve().parent / "configs" / "local.toml")
+
+
+class GRPOFlow(FlowSpec):
+    cfg = Config("cfg", default=LOCAL_DEFAULT, parser=parse_config_text)
+
+    @property
+    def pc(self) -> PipelineConfig:
+        return PipelineConfig.from_dict(dict(self.cfg))
+
+    @step
+    def start(self):
+        """Validate the config, fingerprint the data, open the MLflow parent run."""
+        pc = self.pc
+        self.datasets = pipeline.dataset_identities(pc)
+        tags = {"metaflow.flow": current.flow_name, "metaflow.run_id": current.run_id,
+                "metaflow.pathspec": current.pathspec, "grpo.config": pc.name,
+                "git.commit": os.environ.get("GIT_COMMIT") or pipeline.git_commit()}
+        uri, parent = pipeline.open_tracking(pc, tags, run_name=f"{current.flow_name}-{current.run_id}")
+        self.ctx = pipeline.RunContext(current.flow_name, current.run_id, None, pipeline.storage_root(pc),
+                                       uri, parent)
+        self.next(self.load_sft)
+
+    @step
+    def load_sft(self):
+        """Resolve (or bootstrap) the SFT checkpoint into storage."""
+        self.sft_uri, self.sft_metrics = pipeline.load_sft(self.pc, self._ctx())
+        self.next(self.curriculum_grpo)
+
+    @card(type="blank", id="training", refresh_interval=10)
+    @train_compute
+    @step
+    def curriculum_grpo(self):
+        """GRPO on the arithmetic curriculum under torchrun."""
+        self.curriculum = self._train("curriculum", self.sft_uri)
+        self.next(self.gsm8k_grpo)
+
+    @card(type="blank", id="training", refresh_interval=10)
+    @train_compute
+    @step
+    def gsm8k_grpo(self):
+        """GRPO on GSM8K train under torchrun, from the curriculum checkpoint."""
+        self.gsm8k = self._train("gsm8k", self.curriculum["model_uri"])
+        self.stages = [("sft", self.sft_uri), ("curriculum", self.curriculum["model_uri"]),
+                       ("gsm8k", self.gsm8k["model_uri"])]
+        self.next(self.evaluate, foreach="stages")
+
+    @step
+    def evaluate(self):
+        """Greedy accuracy of one stage's checkpoint on the same held-out items."""
+        stage, uri = self.input
+        self.result = pipeline.evaluate_checkpoint(self.pc, stage, uri)
+        self.next(self.join_evaluations)
+
+    @card(type="blank", id="evaluation")
+    @step
+    def join_evaluations(self, inputs):
+        """Collect every stage's results, log them named by their data."""
+        self.merge_artifacts(inputs, include=["ctx", "datasets", "sft_metrics", "curriculum", "gsm8k"])
+        self.results = [i.result for i in inputs]
+        pipeline.log_evaluation(self._ctx(), self.results, self.datasets)
+        stage_table_card(current.card["evaluation"], self.results)
+        self.next(self.register)
+
+    @step
+    def register(self):
+        """Register the final model; promote it only if it beats the champion."""
+        self.registry = pipeline.register(self.pc, self._ctx(), self.results[-1], self.datasets,
+                                          current.pathspec)
+        self.next(self.end)
+
+    @step
+    def end(self):
+        """Print the summary table and close the MLflow runs."""
+        print(pipeline.summary_table(self.results, self.curriculum, self.gsm8k, self.registry))
+        pipeline.finish(self._ctx())
+
+    # -- helpers (no pipeline logic here; see grpo_core.pipeline)
+    def _ctx(self) -> pipeline.RunContext:
+        return pipeline.RunContext(**{**self.ctx.__dict__, "run_id": current.run_id,
+                                      "origin_run_id": current.origin_run_id})
+
+    def _train(self, stage: str, model_uri: str) -> dict:
+        pc, ctx = self.pc, self._ctx()
+        stage_cfg = pipeline.stage_config(pc, stage, current.step_name, model_uri, ctx, self.datasets)
+        return pipeline.launch_stage(stage_cfg, pc.compute.nproc_per_node, pc.compute.threads_per_proc,
+                                     on_progress=training_card(current.card["training"], stage))
+
+
+if __name__ == "__main__":
+    GRPOFlow()

@@ -1,0 +1,255 @@
+"""What each flow step does, so ``flows/grpo_flow.py`` stays a readable list of steps.
+
+The flow owns orchestration state (Metaflow artifacts: URIs, run ids, small metrics); this
+module turns a validated ``PipelineConfig`` plus that state into work: dataset identities,
+the MLflow parent/child runs, the bootstrap SFT, a GRPO stage launched as a torchrun
+subprocess, evaluation of a checkpoint, registration. Models and checkpoints travel through
+storage keyed by ``<storage_root>/<flow>/<run_id>/<step>/``, never as pickled artifacts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo_core import storage
+from grpo_core.config import PipelineConfig, gsm8k_source
+
+PROJECT_DIR = Path(__file__).resolve().parents[1]
+CODE_DIR = Path(__file__).resolve().parent.parent  # the directory that holds grpo_core/
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Where one Metaflow run keeps its things (plain values, picklable as an artifact)."""
+
+    flow: str
+    run_id: str
+    origin_run_id: str | None
+    storage_root: str
+    tracking_uri: str
+    parent_run_id: str
+
+    def step_uri(self, step: str, run_id: str | None = None) -> str:
+        return storage.join(self.storage_root, self.flow, run_id or self.run_id, step)
+
+    def scratch(self, step: str) -> Path:
+        p = Path(work_root()) / self.flow / self.run_id / step
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+
+
+def work_root() -> str:
+    """Local scratch for a step (metrics, checkpoints before upload): GRPO_WORK_DIR or .grpo/work."""
+    return os.environ.get("GRPO_WORK_DIR") or str(PROJECT_DIR / ".grpo" / "work")
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_DIR, capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def storage_root(cfg: PipelineConfig) -> str:
+    root = os.environ.get("GRPO_STORAGE_ROOT") or cfg.storage_root
+    if storage.is_s3(root) or os.path.isabs(root):
+        return root
+    return str(PROJECT_DIR / root)
+
+
+def dataset_identities(cfg: PipelineConfig) -> dict:
+    """Source + digest of every dataset the run reads; fails fast if GSM8K cannot be reached."""
+    from grpo_core.data import arithmetic_digest, dataset_digest, load_gsm8k
+
+    cur = cfg.stage("curriculum", model="-")
+    src = gsm8k_source(cfg.gsm8k.get("gsm8k_source", "openai/gsm8k"))
+    try:
+        n_train = len(load_gsm8k(src, "train"))
+    except Exception as exc:
+        raise RuntimeError(
+            f"GSM8K could not be loaded from {src!r} ({type(exc).__name__}: {exc}). Offline, point "
+            "GSM8K_DIR at a local copy with train.jsonl/test.jsonl (e.g. GSM8K_DIR=../shared/data/gsm8k); "
+            "online, the hub id openai/gsm8k works as is.") from exc
+    arith = (cur.arith_ops, cur.arith_min, cur.arith_max)
+    return {
+        "gsm8k_train": {"source": src, "split": "train", "digest": dataset_digest(src, "train"), "rows": n_train},
+        "gsm8k_test": {"source": src, "split": "test", "digest": dataset_digest(src, "test")},
+        "arith_train": {"source": "arithmetic:{}:{}..{}".format(*arith), "split": "train",
+                        "digest": arithmetic_digest(*arith, holdout=False)},
+        "arith_holdout": {"source": "arithmetic:{}:{}..{}".format(*arith), "split": "holdout",
+                          "digest": arithmetic_digest(*arith, holdout=True)},
+    }
+
+
+def open_tracking(cfg: PipelineConfig, tags: dict, run_name: str) -> tuple[str, str]:
+    """Resolve the tracking URI and create the MLflow parent run; returns (uri, run_id)."""
+    from grpo_core.tracking import open_tracker, resolve_tracking_uri, start_parent_run
+
+    uri = resolve_tracking_uri(cfg.tracking_uri, str(PROJECT_DIR))
+    run_id = start_parent_run(uri, cfg.experiment, tags, run_name=run_name)
+    with open_tracker(uri, run_id) as t:
+        t.log_params(cfg.to_dict())
+    return uri, run_id
+
+
+def child_run(ctx: RunContext, stage: str, datasets: dict | None = None, names=()) -> str:
+    from grpo_core.tracking import log_dataset, start_child_run
+
+    run_id = start_child_run(ctx.tracking_uri, ctx.parent_run_id, stage, {"grpo.metaflow_run": ctx.run_id})
+    for name in names:
+        d = datasets[name]
+        log_dataset(ctx.tracking_uri, run_id, name, d["source"], d["digest"], d["split"],
+                    context="evaluation" if name in ("gsm8k_test", "arith_holdout") else "training")
+    return run_id
+
+
+def load_sft(cfg: PipelineConfig, ctx: RunContext) -> tuple[str, dict]:
+    """The SFT checkpoint URI: bootstrap it here, or pass a hub id / dir / s3:// through."""
+    if cfg.sft.source != "bootstrap":
+        return cfg.sft.source, {"sft_source": cfg.sft.source}
+    import torch
+
+    from grpo_core.sft import bootstrap
+    from grpo_core.tracking import open_tracker
+
+    torch.set_num_threads(max(os.cpu_count() or 1, 1))
+    local = ctx.scratch("load_sft") / "model"
+    metrics = bootstrap(cfg.sft, local)
+    uri = storage.put_dir(local, storage.join(ctx.step_uri("load_sft"), "model"))
+    with open_tracker(ctx.tracking_uri, child_run(ctx, "load_sft")) as t:
+        t.log_params(cfg.sft.__dict__)
+        t.log(metrics, step=cfg.sft.steps)
+    return uri, metrics
+
+
+def stage_config(cfg: PipelineConfig, stage: str, step: str, model_uri: str, ctx: RunContext,
+                 datasets: dict) -> dict:
+    """The GRPOConfig of a stage with its runtime fields filled in (validated)."""
+    names = ("arith_train", "arith_holdout") if stage == "curriculum" else ("gsm8k_train", "gsm8k_test")
+    resume = [ctx.step_uri(step)] + ([ctx.step_uri(step, ctx.origin_run_id)] if ctx.origin_run_id else [])
+    sc = cfg.stage(stage, model=model_uri, output_dir=str(ctx.scratch(step)), sync_uri=ctx.step_uri(step),
+                   resume_from=resume, tracking_uri=ctx.tracking_uri,
+                   tracking_run_id=child_run(ctx, stage, datasets, names))
+    if stage == "gsm8k":
+        sc.gsm8k_source = gsm8k_source(sc.gsm8k_source)
+    return sc.to_dict()
+
+
+def torchrun_command(stage_json: str, nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "grpo_core.train", "--config", stage_json]
+
+
+def launch_stage(stage_cfg: dict, nproc: int, threads: int, on_progress=None, poll_s: float = 5.0) -> dict:
+    """Run one GRPO stage under torchrun; a failed rank fails the step. Returns summary.json."""
+    out = Path(stage_cfg["output_dir"])
+    stage_json = out / "stage.json"
+    storage.atomic_write_text(stage_json, json.dumps(stage_cfg, indent=1))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(CODE_DIR), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(torchrun_command(str(stage_json), nproc), env=env)
+    while True:
+        try:
+            rc = proc.wait(timeout=poll_s)
+            break
+        except subprocess.TimeoutExpired:
+            if on_progress:
+                on_progress(read_metrics(out))
+    if rc != 0:
+        raise RuntimeError(f"stage {stage_cfg['stage']} failed: torchrun exited with {rc} "
+                           "(see the rank logs above); `resume` continues from its last checkpoint")
+    if on_progress:
+        on_progress(read_metrics(out))
+    return json.loads((out / "summary.json").read_text())
+
+
+def read_metrics(out_dir: str | Path) -> list[dict]:
+    f = Path(out_dir) / "metrics.jsonl"
+    if not f.exists():
+        return []
+    return [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()]
+
+
+def evaluate_checkpoint(cfg: PipelineConfig, stage: str, model_uri: str) -> dict:
+    """Greedy per-item results of one checkpoint on every held-out set, with summaries."""
+    import torch
+
+    from grpo_core.evaluate import eval_sets, greedy_results, summarize
+    from grpo_core.models import load_policy
+
+    torch.manual_seed(0)
+    e = cfg.evaluate
+    sets = eval_sets(e, {**cfg.curriculum, "gsm8k_source": cfg.gsm8k.get("gsm8k_source", "openai/gsm8k")})
+    model, tok = load_policy(model_uri)
+    items = {name: greedy_results(model, tok, rows, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size)
+             for name, rows in sets.items()}
+    return {"stage": stage, "model_uri": model_uri, "items": items,
+            "summary": {name: summarize(res) for name, res in items.items()}}
+
+
+def log_evaluation(ctx: RunContext, results: list[dict], datasets: dict) -> None:
+    """Every stage's accuracy, named by its data, on the evaluate child run (+ per-item JSON)."""
+    from grpo_core.tracking import open_tracker
+
+    run_id = child_run(ctx, "evaluate", datasets, names=[n for n in ("gsm8k_test", "arith_holdout")
+                                                          if n in results[0]["summary"]])
+    with open_tracker(ctx.tracking_uri, run_id) as t:
+        for r in results:
+            for name, s in r["summary"].items():
+                prefix = f"eval/{name}/{r['stage']}"
+                t.log({f"{prefix}/accuracy": s["accuracy"], f"{prefix}/ci_low": s["ci_low"],
+                       f"{prefix}/ci_high": s["ci_high"], f"{prefix}/n": s["n"]}, step=0)
+                t.log_dict(r["items"][name], f"eval/{r['stage']}/items_{name}.json")
+        final = results[-1]
+        for name, s in final["summary"].items():  # the shipped model's numbers, unqualified
+            t.log({f"eval/{name}/accuracy": s["accuracy"], f"eval/{name}/accuracy_ci_low": s["ci_low"],
+                   f"eval/{name}/accuracy_ci_high": s["ci_high"]}, step=0)
+
+
+def register(cfg: PipelineConfig, ctx: RunContext, final: dict, datasets: dict, pathspec: str) -> dict:
+    """Register the final model and decide champion/challenger on the same items."""
+    from grpo_core.registry import register_model
+
+    run_id = child_run(ctx, "register")
+    model_dir = storage.get_dir(final["model_uri"], Path(tempfile.mkdtemp(prefix="grpo_register_")))
+    r = cfg.register
+    tags = {"metaflow.pathspec": pathspec, "grpo.config": cfg.name,
+            **{f"dataset.{k}.digest": v["digest"] for k, v in datasets.items()}}
+    return register_model(ctx.tracking_uri, run_id, str(model_dir), r.model_name, eval_items=final["items"],
+                          primary=r.primary if r.primary in final["items"] else next(iter(final["items"])),
+                          tags=tags, rule=r.rule, alpha=r.alpha)
+
+
+def finish(ctx: RunContext, status: str = "FINISHED") -> None:
+    from grpo_core.tracking import finish_run, mlflow_client
+
+    client = mlflow_client(ctx.tracking_uri)
+    parent = client.get_run(ctx.parent_run_id)
+    for run in client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{ctx.parent_run_id}'"):
+        finish_run(ctx.tracking_uri, run.info.run_id, status)
+    finish_run(ctx.tracking_uri, ctx.parent_run_id, status)
+
+
+def summary_table(results: list[dict], curriculum: dict, gsm8k: dict, registry: dict) -> str:
+    """A plain-text table: every stage's held-out accuracy with its 95% interval."""
+    sets = list(results[0]["summary"])
+    lines = ["stage       " + "".join(f"{s:>28}" for s in sets)]
+    for r in results:
+        cells = "".join(f"{x['accuracy']:>9.3f} [{x['ci_low']:.3f}, {x['ci_high']:.3f}] n={x['n']:<4}"
+                        for x in (r["summary"][s] for s in sets))
+        lines.append(f"{r['stage']:<12}{cells}")
+    for name, st in (("curriculum", curriculum), ("gsm8k", gsm8k)):
+        first, last = st.get("first", {}), st.get("last", {})
+        lines.append(f"{name} GRPO: {st['iterations_run']} iterations, reward {first.get('reward', 0):.3f} -> "
+                     f"{last.get('reward', 0):.3f}, informative {last.get('informative_frac', 0):.2f}"
+                     + (" (promotion gate)" if st.get("promoted_by_gate") else ""))
+    lines.append(f"registry: {registry.get('model_name')} v{registry.get('version')} -> {registry.get('decision')} "
+                 f"(p={registry.get('p_value')}, {registry.get('compared_items')} items)")
+    return "\n".join(lines)

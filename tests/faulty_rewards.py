@@ -1,0 +1,30 @@
+"""Reward functions that misbehave on purpose, importable as ``tests.faulty_rewards:<name>``.
+
+``huge_on_calls`` returns finite but enormous rewards (1e38, within float32) on chosen calls.
+With ``scale="none"`` (Dr. GRPO) the advantages are then ~1e37 and the loss or the gradient
+overflows float32, a real non-finite update that the trainer must skip. Which calls misbehave
+is set by ``HUGE_ON_CALLS`` (a set of 1-based call numbers); tests reset ``CALLS`` first.
+"""
+from __future__ import annotations
+
+HUGE = 1e38
+CALLS = {"n": 0}
+HUGE_ON_CALLS: set[int] = set()
+
+
+def reset(huge_on_calls) -> None:
+    CALLS["n"] = 0
+    HUGE_ON_CALLS.clear()
+    HUGE_ON_CALLS.update(huge_on_calls)
+
+
+def huge_on_calls(prompts, completions, **_):
+    """target_char_fraction('7'), except on the chosen calls: 1e38 on even rows, 0 on odd rows."""
+    CALLS["n"] += 1
+    if CALLS["n"] in HUGE_ON_CALLS:
+        return [HUGE if i % 2 == 0 else 0.0 for i in range(len(completions))]
+    return [c.count("7") / len(c) if c else 0.0 for c in completions]
+
+
+def wrong_length(prompts, completions, **_):
+    return [0.0] * (len(completions) - 1)

@@ -1,0 +1,53 @@
+"""Smoke tests of the benchmark and GPU-check code paths (tiny configs, CPU; no timing is asserted)."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_grpo  # noqa: E402
+import gpu_check  # noqa: E402
+
+
+def test_summary_and_paired_ratios_from_synthetic_runs():
+    rows = [{"total": t, "cpu": t, "generate": t / 2, "reward": 0.0, "ref_old_logp": 0.1, "fwd_bwd_step": 0.2,
+             "tokens": 100.0, "completions": 4} for t in (9.0, 1.0, 2.0, 3.0)]
+    s = bench_grpo.summarize(rows, warmup=1)
+    assert s["s_per_iter"] == 2.0 and s["iters_measured"] == 3 and s["mean_completion_len"] == 25.0
+    runs = {"ours": [dict(s, peak_rss_mb=100.0)], "trl": [dict(s, s_per_iter=4.0, peak_rss_mb=200.0)]}
+    out = bench_grpo.compare(runs)
+    assert out["ours"]["ratio_vs_trl"] == 0.5 and out["ours"]["rss_ratio_vs_trl"] == 0.5
+    assert "ratio_vs_trl" not in out["trl"]
+
+
+def test_our_side_runs_the_trainer_iteration(tmp_path):
+    spec = bench_grpo.CONFIGS["quick"]
+    model_dir = bench_grpo.build_model_dir(spec, tmp_path / "m")
+    rows = bench_grpo.run_ours(spec, str(model_dir), iters=1, warmup=1)
+    assert len(rows) == 2
+    assert rows[-1]["completions"] == spec["prompts"] * spec["group_size"]
+    assert 0 < rows[-1]["tokens"] <= rows[-1]["completions"] * spec["max_new_tokens"]
+
+
+def test_trl_side_runs_the_same_config(tmp_path):
+    pytest.importorskip("trl")
+    from trl_runner import run_trl
+
+    spec = bench_grpo.CONFIGS["quick"]
+    model_dir = bench_grpo.build_model_dir(spec, tmp_path / "m")
+    rows = run_trl(spec, bench_grpo.COMMON, bench_grpo.REWARD_FN, str(model_dir), iters=1, warmup=0)
+    assert len(rows) == 1 and rows[0]["completions"] == spec["prompts"] * spec["group_size"]
+    assert rows[0]["generate"] > 0 and rows[0]["ref_old_logp"] > 0  # beta > 0: the reference forward ran
+
+
+def test_gpu_check_code_paths_on_cpu(tmp_path):
+    gpu_check.FAILURES.clear()
+    out = tmp_path / "g.json"
+    assert gpu_check.main(["single", "--cpu-smoke", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["failures"] == [] and res["timings"]["train_step_flops"] > 0
+    # FLOPs: at least 6 x matmul params x tokens (the rule of thumb), attention on top
+    c, (N, G, P, T) = gpu_check.SMOKE, (2, 2, 8, 8)
+    assert gpu_check.flops_per_step(c, N, G, P, T) > 6 * c["hidden_size"] * c["intermediate_size"] * 3 * N * P

@@ -1,0 +1,162 @@
+"""The shared-prefix decoder and scorer do exactly what generate and the full forward do."""
+import pytest
+import torch
+
+from grpo_core.models import build_tiny
+from grpo_core.rollout import (_generate, completion_logprobs, completion_mask, encode_prompts,
+                               fast_decode_supported, generate_rollouts, groups_share_prompts,
+                               sample_shared_prefix)
+from grpo_core.types import RolloutBatch
+
+PROMPTS = ["What is 3 + 4?", "A much longer question so the batch is left padded: 12 * 11?", "7 * 8?"]
+
+
+def _model(arch="llama", kv_heads=None):
+    torch.manual_seed(0)
+    model, tok = build_tiny(arch, hidden=32, layers=2, heads=4)
+    if kv_heads:  # grouped-query attention, as in Qwen2 checkpoints
+        from transformers import AutoModelForCausalLM
+        model.config.num_key_value_heads = kv_heads
+        model = AutoModelForCausalLM.from_config(model.config)
+    with torch.no_grad():  # large random weights: logits far from uniform, positions matter
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model.eval(), tok
+
+
+def _prompts(tok, prompts=PROMPTS):
+    ids, mask = encode_prompts(tok, prompts, 256)
+    assert (mask == 0).any(), "left padding is what makes positions matter"
+    return ids, mask
+
+
+@pytest.mark.parametrize("arch,kv", [("llama", None), ("qwen2", None), ("qwen2", 2)])
+def test_greedy_tokens_equal_generate(arch, kv):
+    model, tok = _model(arch, kv)
+    assert fast_decode_supported(model)
+    ids, mask = _prompts(tok)
+    kw = dict(temperature=1.0, top_p=1.0, top_k=0, greedy=True)
+    ref = _generate(model, ids, mask, 2, 16, tok.eos_token_id, tok.pad_token_id, **kw)
+    fast = sample_shared_prefix(model, ids, mask, 2, max_new_tokens=16, eos_id=tok.eos_token_id,
+                                pad_id=tok.pad_token_id, greedy=True)
+    assert ref.shape == fast.shape == (6, 16)
+    assert torch.equal(fast, ref)
+
+
+def test_greedy_stops_and_pads_like_generate():
+    """Use a token greedy decoding emits early as 'EOS': rows stop and pad exactly as generate's."""
+    model, tok = _model()
+    ids, mask = _prompts(tok)
+    free = sample_shared_prefix(model, ids, mask, 1, max_new_tokens=12, eos_id=-1, pad_id=0, greedy=True)
+    eos = int(free[1, 3])  # row 1 stops at step 3; the others stop wherever they emit it, or not
+    kw = dict(temperature=1.0, top_p=1.0, top_k=0, greedy=True)
+    ref = _generate(model, ids, mask, 2, 12, eos, tok.pad_token_id, **kw)
+    fast = sample_shared_prefix(model, ids, mask, 2, max_new_tokens=12, eos_id=eos, pad_id=tok.pad_token_id,
+                                greedy=True)
+    assert torch.equal(fast, ref)
+    assert (fast == tok.pad_token_id).any()
+    one = sample_shared_prefix(model, ids[1:2], mask[1:2], 3, max_new_tokens=12, eos_id=eos,
+                               pad_id=tok.pad_token_id, greedy=True)
+    assert one.shape == (3, 4), "decoding stops as soon as every row has emitted EOS"
+
+
+def test_generate_rollouts_fast_and_generate_engines_agree_under_greedy():
+    model, tok = _model()
+    rows = [{"id": str(i), "prompt": p, "gold": "1"} for i, p in enumerate(PROMPTS)]
+    kw = dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=10, max_prompt_tokens=256, greedy=True)
+    a = generate_rollouts(model, tok, rows, 2, engine="fast", **kw)
+    b = generate_rollouts(model, tok, rows, 2, engine="generate", **kw)
+    for f in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert a.completions == b.completions and a.columns == b.columns
+
+
+def test_top_k_one_samples_the_argmax():
+    model, tok = _model()
+    ids, mask = _prompts(tok)
+    common = dict(max_new_tokens=8, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    greedy = sample_shared_prefix(model, ids, mask, 2, greedy=True, **common)
+    top1 = sample_shared_prefix(model, ids, mask, 2, temperature=0.7, top_k=1, **common)
+    assert torch.equal(greedy, top1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_scored_logprobs_equal_the_decoder_sampling_distribution(temperature):
+    """The loss scores exactly the distribution the fast decoder sampled from (left padding, T != 1)."""
+    model, tok = _model()
+    ids, mask = _prompts(tok)
+    G, steps = 3, []
+    torch.manual_seed(1)
+    comp = sample_shared_prefix(model, ids, mask, G, max_new_tokens=12, eos_id=tok.eos_token_id,
+                                pad_id=tok.pad_token_id, temperature=temperature, step_logits=steps).clone()
+    cmask, trunc = completion_mask(comp, tok.eos_token_id)
+    batch = RolloutBatch(ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), comp, cmask, trunc, G, [], [])
+    assert groups_share_prompts(batch)
+    sampled = torch.log_softmax(torch.stack(steps, 1) / temperature, -1).gather(-1, comp[..., None])[..., 0]
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, batch, temperature)
+    assert torch.allclose(logp[cmask], sampled[cmask], atol=1e-4)
+
+
+def test_shared_prefix_scoring_equals_full_forward_in_value_and_gradient(monkeypatch):
+    import grpo_core.rollout as rollout
+
+    model, tok = _model()
+    model.train()
+    ids, mask = _prompts(tok)
+    G = 2
+    comp = sample_shared_prefix(model, ids, mask, G, max_new_tokens=9, eos_id=tok.eos_token_id,
+                                pad_id=tok.pad_token_id).clone()
+    cmask, trunc = completion_mask(comp, tok.eos_token_id)
+    cmask[0, 5:] = False  # an early-EOS row: its masked positions must not matter either way
+    batch = RolloutBatch(ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), comp, cmask, trunc, G, [], [])
+    results = []
+    for share in (True, False):
+        monkeypatch.setattr(rollout, "groups_share_prompts", lambda b, share=share: share)
+        model.zero_grad()
+        logp, ent = completion_logprobs(model, batch, 0.8, with_entropy=True)
+        (logp * cmask).sum().backward()
+        results.append((logp.detach(), ent, [p.grad.clone() for p in model.parameters()]))
+    (a, ea, ga), (b, eb, gb) = results
+    assert torch.allclose(a[cmask], b[cmask], atol=1e-4)
+    assert torch.allclose(ea[cmask], eb[cmask], atol=1e-4)
+    for x, y in zip(ga, gb):
+        assert torch.allclose(x, y, atol=1e-5, rtol=1e-3)
+
+
+def test_groups_share_prompts_detects_mixed_groups():
+    _, tok = _model()
+    ids, mask = _prompts(tok)
+    comp = torch.zeros(6, 2, dtype=torch.long)
+    ok = RolloutBatch(ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0), comp, comp.bool(), comp[:, 0].bool(),
+                      2, [], [])
+    mixed = RolloutBatch(ids.repeat(2, 1), mask.repeat(2, 1), comp, comp.bool(),
+                         comp[:, 0].bool(), 2, [], [])
+    assert groups_share_prompts(ok) and not groups_share_prompts(mixed)
+
+
+def test_unsupported_models_fall_back_to_generate():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _, tok = _model()
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=128,
+                                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).eval()
+    assert not fast_decode_supported(model)
+    rows = [{"prompt": p} for p in PROMPTS[:2]]
+    batch = generate_rollouts(model, tok, rows, 2, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=5,
+                              max_prompt_tokens=256)
+    assert batch.completion_ids.shape[0] == 4
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_same_seed_samples_the_same_tokens_as_generate(temperature):
+    """Stronger than needed (it relies on bitwise-equal logits, true on CPU): same seed, same samples."""
+    model, tok = _model()
+    ids, mask = _prompts(tok)
+    kw = dict(temperature=temperature, top_p=1.0, top_k=0)
+    torch.manual_seed(5)
+    ref = _generate(model, ids, mask, 4, 16, tok.eos_token_id, tok.pad_token_id, greedy=False, **kw)
+    torch.manual_seed(5)
+    fast = sample_shared_prefix(model, ids, mask, 4, max_new_tokens=16, eos_id=tok.eos_token_id,
+                                pad_id=tok.pad_token_id, **kw)
+    assert torch.equal(fast, ref)

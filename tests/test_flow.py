@@ -1,0 +1,219 @@
+"""The Metaflow pipeline for real: Runner API runs, crash + resume, Kubernetes and Argo specs, S3.
+
+Every run uses an isolated METAFLOW_HOME, datastore, MLflow sqlite db and storage root under
+a temporary directory, and a tiny config (a few iterations per stage) on the real GSM8K copy.
+"""
+import json
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from grpo_core.config import deep_merge
+from tests.conftest import S3_ENV
+from tests.helpers import GSM8K_DIR, REPO, same_weights
+
+FLOW = str(REPO / "flows" / "grpo_flow.py")
+K8S_CFG = str(REPO / "flows" / "configs" / "kubernetes.toml")
+TRAINING_STEPS = {"curriculum_grpo", "gsm8k_grpo"}
+TINY = {
+    "name": "tiny",
+    "sft": {"steps": 30},
+    "curriculum": {"iterations": 2, "prompts_per_iter": 4, "group_size": 4, "max_new_tokens": 12,
+                   "save_every": 2, "eval_every": 2, "eval_size": 8},
+    "gsm8k": {"iterations": 4, "prompts_per_iter": 2, "group_size": 4, "max_new_tokens": 12,
+              "save_every": 2, "eval_size": 4},
+    "evaluate": {"gsm8k_size": 8, "arith_size": 16, "max_new_tokens": 12},
+}
+
+os.environ.setdefault("USERNAME", "pytest")  # Runner resolves the Metaflow user in this process too
+pytestmark = pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs GSM8K_DIR (a local GSM8K copy)")
+
+
+def tiny_config(root, **overrides) -> dict:
+    with open(REPO / "flows" / "configs" / "local.toml", "rb") as f:
+        base = tomllib.load(f)
+    cfg = deep_merge(base, TINY)
+    cfg.update(storage_root=str(root / "store"), tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    return deep_merge(cfg, overrides)
+
+
+def mf_env(root, **extra) -> dict:
+    for d in ("mfhome", "tmp", "work"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    env = {"METAFLOW_HOME": str(root / "mfhome"), "METAFLOW_DATASTORE_SYSROOT_LOCAL": str(root),
+           "METAFLOW_DEFAULT_DATASTORE": "local", "METAFLOW_DEFAULT_METADATA": "local",
+           "USERNAME": "pytest", "METAFLOW_TEMPDIR": str(root / "tmp"), "GSM8K_DIR": str(GSM8K_DIR),
+           "GRPO_WORK_DIR": str(root / "work"), "PYTHONPATH": str(REPO)}
+    return {**env, **extra}
+
+
+def run_flow(root, cfg: dict, resume_from: str | None = None, datastore: str = "local", **env_extra):
+    from metaflow import Runner
+
+    env = mf_env(root, **env_extra)
+    opts = dict(show_output=False, env=env, cwd=str(root), datastore=datastore, file_read_timeout=900)
+    if resume_from:  # resume reuses the origin run's config (Metaflow refuses --config here)
+        with Runner(FLOW, **opts) as r:
+            return r.resume(origin_run_id=resume_from)
+    with Runner(FLOW, config_value=[("cfg", cfg)], **opts) as r:
+        return r.run()
+
+
+def final_model_dir(run, step="gsm8k_grpo"):
+    from pathlib import Path
+    return Path(run[step].task["gsm8k"].data["model_uri"])
+
+
+@pytest.fixture(scope="module")
+def crashed_and_resumed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flow")
+    cfg = tiny_config(root)
+    failed = run_flow(root, cfg, GRPO_FAIL_AT="gsm8k:3")
+    assert failed.status == "failed", failed.stdout[-3000:]
+    resumed = run_flow(root, cfg, resume_from=failed.run.id)
+    assert resumed.status == "successful", resumed.stderr[-5000:]
+    return root, cfg, failed.run, resumed.run
+
+
+def test_resume_clones_finished_steps_and_continues_the_failed_one(crashed_and_resumed):
+    _, _, first, run = crashed_and_resumed
+    assert run.origin_pathspec == f"GRPOFlow/{first.id}"
+    for s in ("start", "load_sft", "curriculum_grpo"):
+        assert run[s].task.metadata_dict.get("origin-task-id"), f"{s} was re-executed"
+    assert "origin-task-id" not in run["gsm8k_grpo"].task.metadata_dict
+    summary = run["gsm8k_grpo"].task["gsm8k"].data
+    assert summary["resumed_from_iteration"] == 2 and summary["iterations_run"] == 4
+    assert summary["model_uri"].startswith(str(crashed_and_resumed[0] / "store" / "GRPOFlow" / run.id))
+
+
+def test_resumed_weights_equal_an_uninterrupted_run(crashed_and_resumed, tmp_path):
+    root, cfg, _, resumed = crashed_and_resumed
+    straight = run_flow(root, cfg)
+    assert straight.status == "successful", straight.stderr[-5000:]
+    assert final_model_dir(straight.run) != final_model_dir(resumed)
+    assert same_weights(final_model_dir(straight.run), final_model_dir(resumed))
+
+
+def test_mlflow_records_every_stage_without_duplicate_steps(crashed_and_resumed):
+    from mlflow import MlflowClient
+
+    root, cfg, _, run = crashed_and_resumed
+    client = MlflowClient(tracking_uri=cfg["tracking_uri"])
+    parent_id = run["start"].task["ctx"].data.parent_run_id
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["metaflow.run_id"] != run.id  # created by the origin run's start, reused
+    assert parent.data.tags["grpo.config"] == "tiny" and "git.commit" in parent.data.tags
+    children = {r.data.tags["grpo.stage"]: r for r in client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")}
+    assert {"load_sft", "curriculum", "gsm8k", "evaluate", "register"} <= set(children)
+    steps = [m.step for m in client.get_metric_history(children["gsm8k"].info.run_id, "reward")]
+    assert steps == [1, 2, 3, 4], steps  # iteration 3 ran twice, but was logged once
+    gsm = children["gsm8k"]
+    assert gsm.data.params["loss_type"] == "dapo" and "objective.normaliser" in gsm.data.params
+    assert {d.dataset.name for d in gsm.inputs.dataset_inputs} == {"gsm8k_train", "gsm8k_test"}
+    ev = children["evaluate"].data.metrics
+    assert 0.0 <= ev["eval/gsm8k_test/accuracy"] <= 1.0
+    assert ev["eval/gsm8k_test/accuracy_ci_low"] <= ev["eval/gsm8k_test/accuracy"] <= ev["eval/gsm8k_test/accuracy_ci_high"]
+    assert "eval/arith_holdout/sft/accuracy" in ev
+    version = client.get_model_version("grpo-gsm8k", run["register"].task["registry"].data["version"])
+    assert version.tags["grpo.config"] == "tiny"
+
+
+def test_evaluation_keeps_per_item_results_for_every_stage(crashed_and_resumed):
+    _, _, _, run = crashed_and_resumed
+    results = run["join_evaluations"].task["results"].data
+    assert [r["stage"] for r in results] == ["sft", "curriculum", "gsm8k"]
+    for r in results:
+        assert len(r["items"]["gsm8k_test"]) == 8 and len(r["items"]["arith_holdout"]) == 16
+        assert {i["item_id"] for i in r["items"]["gsm8k_test"]} == {f"gsm8k_test:{k}" for k in range(8)}
+    card = card_data(run["join_evaluations"].task, "evaluation")
+    assert "arith_holdout" in card and "curriculum" in card and "95% Wilson" in card
+    assert "informative" in card_data(run["curriculum_grpo"].task, "training")
+
+
+def card_data(task, card_id: str) -> str:
+    """The JSON a Metaflow card embeds (base64 in its self-contained HTML), as text."""
+    import base64
+    import re
+
+    from metaflow.cards import get_cards
+
+    html = get_cards(task, id=card_id)[0].get()
+    blobs = re.findall(r'__MF_DATA__\["[^"]+"\] = "([A-Za-z0-9+/=]+)"', html)
+    assert blobs, "card has no embedded data"
+    return "".join(base64.b64decode(b).decode() for b in blobs)
+
+
+def _output_raw(root, *cfg_args, env_extra=None):
+    env = {**os.environ, **mf_env(root), "METAFLOW_DATASTORE_SYSROOT_S3": "s3://ci-bucket/metaflow",
+           **(env_extra or {})}
+    out = subprocess.run([sys.executable, FLOW, "--datastore", "s3", *cfg_args, "output-raw", "--json"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)["graph"]
+
+
+def test_kubernetes_config_puts_gpus_on_exactly_the_training_steps(tmp_path):
+    graph = _output_raw(tmp_path, "--config", "cfg", K8S_CFG)
+    with open(K8S_CFG, "rb") as f:
+        compute = tomllib.load(f)["compute"]
+    for name, node in graph.items():
+        decos = {d["name"]: d["attributes"] for d in node.get("decorators", [])}
+        if name in TRAINING_STEPS:
+            k = decos["kubernetes"]
+            assert int(k["gpu"]) == compute["gpu"] and k["image"] == compute["image"]
+            assert k["service_account"] == compute["service_account"]
+        else:
+            assert "kubernetes" not in decos, name
+
+
+def test_local_config_adds_no_kubernetes(tmp_path):
+    graph = _output_raw(tmp_path)
+    assert all("kubernetes" not in {d["name"] for d in n.get("decorators", [])} for n in graph.values())
+
+
+def test_argo_spec_requests_gpus_only_for_training(tmp_path, s3_server):
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", **_creds()).create_bucket(Bucket="ci-bucket")
+    env = {**os.environ, **mf_env(tmp_path), **S3_ENV, "METAFLOW_S3_ENDPOINT_URL": s3_server,
+           "METAFLOW_DATASTORE_SYSROOT_S3": "s3://ci-bucket/metaflow", "METAFLOW_KUBERNETES_NAMESPACE": "grpo"}
+    out = subprocess.run([sys.executable, FLOW, "--datastore", "s3", "--config", "cfg", K8S_CFG,
+                          "argo-workflows", "create", "--only-json"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    spec = json.loads(out.stdout[out.stdout.index("{"):])
+    templates = {t["name"].replace("-", "_"): t for t in spec["spec"]["templates"] if "container" in t}
+    res = {name: t["container"]["resources"] for name, t in templates.items()}
+    for name in TRAINING_STEPS:
+        assert res[name]["limits"]["nvidia.com/gpu"] == "4", res[name]
+    for name in ("start", "load_sft", "evaluate", "register", "end"):
+        assert "nvidia.com/gpu" not in res[name].get("limits", {}), name
+    assert templates["gsm8k_grpo"]["container"]["image"] == "ghcr.io/grpo-pipeline/grpo-train:0.1.0"
+
+
+def _creds():
+    return {"aws_access_key_id": S3_ENV["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": S3_ENV["AWS_SECRET_ACCESS_KEY"]}
+
+
+def test_s3_storage_run_puts_checkpoints_and_models_on_s3(tmp_path, s3_server):
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", **_creds())
+    s3.create_bucket(Bucket="mf-bucket")
+    cfg = tiny_config(tmp_path, storage_root="s3://mf-bucket/pipeline",
+                      gsm8k={"iterations": 2}, curriculum={"iterations": 2})
+    env = {**S3_ENV, "METAFLOW_S3_ENDPOINT_URL": s3_server, "METAFLOW_DATASTORE_SYSROOT_S3": "s3://mf-bucket/metaflow"}
+    result = run_flow(tmp_path, cfg, datastore="s3", **env)
+    assert result.status == "successful", result.stderr[-5000:]
+    run = result.run
+    uri = run["gsm8k_grpo"].task["gsm8k"].data["model_uri"]
+    assert uri == f"s3://mf-bucket/pipeline/GRPOFlow/{run.id}/gsm8k_grpo/final"
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="mf-bucket", Prefix=f"pipeline/GRPOFlow/{run.id}/")["Contents"]]
+    assert any(k.endswith("gsm8k_grpo/final/model.safetensors") for k in keys)
+    assert any("/checkpoints/ckpt-000002/manifest.json" in k for k in keys)
+    assert s3.list_objects_v2(Bucket="mf-bucket", Prefix="metaflow/GRPOFlow/")["KeyCount"] > 0  # datastore too
