@@ -92,7 +92,8 @@ def _generate(model, ids, mask, group_size, max_new_tokens, eos_id, pad_id, *, t
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=not greedy,
                              max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id,
-                             use_cache=True, **sampling)
+                             use_cache=True, repetition_penalty=1.0,  # checkpoint defaults would
+                             **sampling)                             # skew what the loss scores
     return out[:, ids.shape[1]:]
 
 
