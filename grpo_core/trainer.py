@@ -25,7 +25,7 @@ from grpo_core.models import load_policy, save_policy
 from grpo_core.objective import objective_card
 from grpo_core.rewards import RewardSpec, combine_rewards, resolve_specs
 from grpo_core.rollout import completion_logprobs, generate_rollouts
-from grpo_core.tracking import open_tracker
+from grpo_core.tracking import open_tracker, plot_curves
 from grpo_core.types import RolloutBatch
 
 MAX_NONFINITE_IN_A_ROW = 3  # consecutive skipped updates before the stage stops with an error
@@ -276,8 +276,8 @@ class Trainer:
             batch, roll = self.rollout()
             upd = self.update(batch)
             m = self._metrics(it, batch, roll, upd, time.perf_counter() - t0)
-            if (c.eval_every and it % c.eval_every == 0) or it == c.iterations:
-                m["eval_accuracy"] = self.evaluate() if self.eval_rows is not None else float("nan")
+            if self.eval_rows is not None and ((c.eval_every and it % c.eval_every == 0) or it == c.iterations):
+                m["eval_accuracy"] = self.evaluate()
             promoted = self._gate(m)
             self.state["iteration"] = it
             self._record(m, batch)
@@ -303,6 +303,9 @@ class Trainer:
             lines = (self.out / "metrics.jsonl").read_text().splitlines() if (self.out / "metrics.jsonl").exists() else []
             summary["last"] = json.loads(lines[-1]) if lines else {}
             summary["first"] = json.loads(lines[0]) if lines else {}
+            if lines:  # training curves as a PNG, for people who would rather look than read
+                png = plot_curves(str(self.out / "metrics.jsonl"), str(self.out / "curves.png"))
+                self.tracker.log_artifact(png)
             self.tracker.flush()
             summary["tracking_delayed_points"] = getattr(self.tracker, "delayed_points", 0)
             self.tracker.close()

@@ -102,3 +102,14 @@ def test_bad_stage_config_names_the_field(override, match):
 def test_bad_reward_path_is_reported_before_training(tiny, tmp_path):
     with pytest.raises(ValueError, match="grpo_core.nope:f"):
         main(_stage(tiny, tmp_path, rewards=[{"fn": "grpo_core.nope:f"}]))
+
+
+def test_dynamic_sampling_keeps_informative_groups_and_logs_draws(tiny, tmp_path):
+    """DAPO dynamic sampling: all-equal groups are dropped and refilled; draws are logged."""
+    main(_stage(tiny, tmp_path, iterations=2, mu=1, dynamic_sampling=True, max_resample_rounds=2,
+                temperature=0.3, save_every=2))
+    rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert r["dynamic_drawn"] >= 4 and 0 <= r["dynamic_rounds"] <= 2
+        assert r["informative_frac_kept"] >= r["informative_frac"]
+    assert (tmp_path / "curves.png").stat().st_size > 1000
