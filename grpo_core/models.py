@@ -161,26 +161,13 @@ def load_policy(name_or_path: str, *, trust_remote_code: bool = False, dtype: st
 
 def save_policy(model, tok, out_dir: str | Path) -> Path:
     """Write an HF model dir (safetensors + tokenizer) atomically: temp dir, then rename."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
     model = model.module if hasattr(model, "module") else model
-    try:
+
+    def fill(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-    except BaseException:  # a full disk: leave no half-written temp dir behind
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old.{os.getpid()}")
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        import shutil
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)
-    return out_dir
+
+    return storage.replace_dir(out_dir, fill)
 
 
 def main(argv=None):

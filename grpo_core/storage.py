@@ -72,6 +72,30 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         raise
 
 
+def replace_dir(dest: str | Path, fill) -> Path:
+    """Build a directory with ``fill(tmp_dir)`` beside ``dest``, then swap it into place.
+
+    Readers see the old or the new directory, never a half-written one; if ``fill`` fails (a full
+    disk), the old directory stays and no temporary directory is left behind.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
+    try:
+        fill(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old.{os.getpid()}")
+        os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)
+    return dest
+
+
 def _s3_error(exc: Exception, bucket: str, key: str) -> RuntimeError:
     return RuntimeError(f"S3 request failed for s3://{bucket}/{key}: {exc}. Check the bucket exists, "
                         "the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the endpoint "
@@ -82,23 +106,8 @@ def put_dir(local_dir: str | Path, uri: str) -> str:
     """Copy a directory tree to ``uri`` (replacing what was there) and return ``uri``."""
     local_dir = Path(local_dir)
     if not is_s3(uri):
-        dest = Path(uri)
-        if dest.resolve() == local_dir.resolve():
-            return uri
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
-        try:
-            shutil.copytree(local_dir, tmp, dirs_exist_ok=True)
-        except BaseException:  # a full disk: leave the old copy and no temp dir behind
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if dest.exists():
-            old = dest.with_name(f".{dest.name}.old.{os.getpid()}")
-            os.replace(dest, old)
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
+        if Path(uri).resolve() != local_dir.resolve():
+            replace_dir(uri, lambda tmp: shutil.copytree(local_dir, tmp, dirs_exist_ok=True))
         return uri
     bucket, prefix = split_s3(uri)
     client = s3_client()
