@@ -215,8 +215,11 @@ class Trainer:
             m[k] = v / self.info.world_size
         m["grad_norm"] = upd["grad_norm"]
         m.update({k: round(v, 4) for k, v in self.timings.items()})
-        for name, vals in self.last_breakdown.items():
-            m[f"reward/{name.split(':')[-1]}"] = dist.all_reduce_sum([sum(v for v in vals if v == v)], self.info.device)[0] / n
+        names = list(self.last_breakdown)  # one collective for every reward function's sum
+        sums = dist.all_reduce_sum([sum(v for v in self.last_breakdown[k] if v == v) for k in names],
+                                   self.info.device)
+        for name, total in zip(names, sums):
+            m[f"reward/{name.split(':')[-1]}"] = total / n
         return m
 
     def evaluate(self) -> float:
@@ -235,9 +238,8 @@ class Trainer:
         return self.state["gate_hits"] >= c.gate_patience
 
     def _record(self, m: dict, batch: RolloutBatch) -> None:
-        self.state["history"] = (self.state["history"] + [{k: m[k] for k in ("iteration", "reward")
-                                                           if k in m} | ({"eval_accuracy": m["eval_accuracy"]}
-                                                           if "eval_accuracy" in m else {})])[-200:]
+        point = {k: m[k] for k in ("iteration", "reward", "eval_accuracy") if k in m}
+        self.state["history"] = (self.state["history"] + [point])[-200:]
         if not self.info.is_main:
             return
         with open(self.out / "metrics.jsonl", "a") as f:
