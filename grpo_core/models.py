@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import string
 import tempfile
 from pathlib import Path
@@ -83,15 +84,25 @@ def prepare_tokenizer(tok):
     return tok
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+"""A Hugging Face hub id: ``name`` or ``org/name`` (one slash at most)."""
+
+
 def _local_model_dir(name_or_path: str) -> str:
+    """A local dir to load from (s3:// is downloaded first), or the hub id unchanged.
+
+    An existing directory wins; ``org/name`` that is not a directory is a hub id; anything else
+    that looks like a path (absolute, ./, ~, several slashes) must exist.
+    """
     if storage.is_s3(name_or_path):
         cache = Path(tempfile.mkdtemp(prefix="grpo_model_"))
         return str(storage.get_dir(name_or_path, cache))
-    if os.path.sep in name_or_path or name_or_path.startswith("."):
-        if not Path(name_or_path).is_dir():
-            raise FileNotFoundError(f"model path {name_or_path!r} does not exist; give a hub id, "
-                                    "a local directory or an s3:// URI")
-    return name_or_path  # a local dir or a hub id
+    if Path(name_or_path).expanduser().is_dir():
+        return str(Path(name_or_path).expanduser())
+    if HUB_ID.match(name_or_path) and not name_or_path.startswith("."):
+        return name_or_path
+    raise FileNotFoundError(f"model path {name_or_path!r} does not exist; give a hub id (org/name), "
+                            "a local directory or an s3:// URI")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",

@@ -246,10 +246,12 @@ def summary_table(results: list[dict], curriculum: dict, gsm8k: dict, registry: 
                         for x in (r["summary"][s] for s in sets))
         lines.append(f"{r['stage']:<12}{cells}")
     for name, st in (("curriculum", curriculum), ("gsm8k", gsm8k)):
-        first, last = st.get("first", {}), st.get("last", {})
-        lines.append(f"{name} GRPO: {st['iterations_run']} iterations, reward {first.get('reward', 0):.3f} -> "
-                     f"{last.get('reward', 0):.3f}, informative {last.get('informative_frac', 0):.2f}"
-                     + (" (promotion gate)" if st.get("promoted_by_gate") else ""))
+        last, trend = st.get("last", {}), st.get("reward_trend")
+        change = (f"reward {trend['first']:.3f} -> {trend['last']:.3f} (means of the first/last {trend['window']} "
+                  f"iterations; change {trend['diff']:+.3f}, 95% CI [{trend['ci_low']:+.3f}, {trend['ci_high']:+.3f}])"
+                  if trend else "no iterations run")
+        lines.append(f"{name} GRPO: {st['iterations_run']} iterations, {change}, informative "
+                     f"{last.get('informative_frac', 0):.2f}" + (" (promotion gate)" if st.get("promoted_by_gate") else ""))
     lines.append(f"registry: {registry.get('model_name')} v{registry.get('version')} -> {registry.get('decision')} "
                  f"(p={registry.get('p_value')}, {registry.get('compared_items')} items)")
     return "\n".join(lines)

@@ -78,3 +78,27 @@ def paired_accuracy_diff(a: Sequence[bool], b: Sequence[bool]) -> float:
     if len(a) != len(b):
         raise ValueError(f"paired results must have equal length, got {len(a)} and {len(b)}")
     return accuracy(a) - accuracy(b)
+
+
+def window_change(values: Sequence[float], window: int = 10, z: float = 1.96) -> dict:
+    """Mean of the first vs the last ``window`` values, their difference and its ~95% interval.
+
+    Per-iteration training reward swings a lot (a fresh prompt sample each iteration), so
+    "iteration 1 -> iteration N" says little; comparing window means with an unequal-variance
+    (Welch) normal interval says whether the curve rose by more than its noise. The window
+    shrinks to a quarter of the values for short runs so the two windows never overlap.
+    """
+    vals = [float(v) for v in values]
+    k = max(1, min(window, len(vals) // 4)) if vals else 0
+    if k == 0:
+        raise ValueError("window_change needs at least one value")
+    first, last = vals[:k], vals[-k:]
+
+    def mean_var(xs):
+        m = sum(xs) / len(xs)
+        return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else float("nan"))
+
+    (m1, v1), (m2, v2) = mean_var(first), mean_var(last)
+    half = z * math.sqrt(v1 / k + v2 / k) if k > 1 else float("nan")
+    return {"window": k, "first": m1, "last": m2, "diff": m2 - m1,
+            "ci_low": m2 - m1 - half, "ci_high": m2 - m1 + half}

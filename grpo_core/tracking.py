@@ -322,8 +322,13 @@ class MlflowTracker(Tracker):
             _warn("not uploaded: " + ", ".join(what for what, _ in self._artifacts))
 
     def _call(self, what: str, fn: Callable[[], None]) -> str:
-        """Run fn with exponential backoff: 'ok', 'down' (retries exhausted) or 'rejected'."""
-        for attempt in range(self.max_retries + 1):
+        """Run fn with exponential backoff: 'ok', 'down' (retries exhausted) or 'rejected'.
+
+        Once the server is known to be down, one probe per call: a long outage then costs each
+        flush one failed request, not a full backoff (~15 s) that stalls rank 0 every checkpoint.
+        """
+        retries = 0 if self._down else self.max_retries
+        for attempt in range(retries + 1):
             try:
                 with env_defaults(**_HTTP_ENV):
                     fn()
@@ -333,7 +338,7 @@ class MlflowTracker(Tracker):
                 if not _transient(e):
                     _warn(f"{what} rejected by the server, dropped: {e}")
                     return "rejected"
-                if attempt == self.max_retries:
+                if attempt == retries:
                     _warn(f"{what} failed after {attempt + 1} tries: {str(e)[:300]}")
                     self._down = True
                     return "down"

@@ -33,8 +33,18 @@ def parse_overrides(pairs: list[str]) -> dict:
 def load_config(path: str | None, overrides: list[str]) -> GRPOConfig:
     data = {}
     if path:
-        with open(path) as f:
-            data = json.load(f)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise ConfigError(f"--config {path}: cannot read it ({exc.strerror}); pass the stage "
+                              "config JSON the pipeline wrote (stage.json)") from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--config {path}: not valid JSON at line {exc.lineno} column {exc.colno} "
+                              f"({exc.msg}); fix the file or pass fields with --set key=value") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"--config {path}: expected a JSON object of GRPOConfig fields, "
+                              f"got {type(data).__name__}")
     return from_dict(GRPOConfig, {**data, **parse_overrides(overrides)}, "stage")
 
 

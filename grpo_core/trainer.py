@@ -25,6 +25,7 @@ from grpo_core.models import load_policy, save_policy
 from grpo_core.objective import objective_card
 from grpo_core.rewards import RewardSpec, combine_rewards, resolve_specs
 from grpo_core.rollout import completion_logprobs, generate_rollouts
+from grpo_core.stats import window_change
 from grpo_core.tracking import open_tracker, plot_curves
 from grpo_core.types import RolloutBatch
 
@@ -305,6 +306,9 @@ class Trainer:
             lines = (self.out / "metrics.jsonl").read_text().splitlines() if (self.out / "metrics.jsonl").exists() else []
             summary["last"] = json.loads(lines[-1]) if lines else {}
             summary["first"] = json.loads(lines[0]) if lines else {}
+            if lines:
+                trend = summary["reward_trend"] = window_change([json.loads(x)["reward"] for x in lines])
+                self.tracker.log({f"reward_trend/{k}": v for k, v in trend.items() if math.isfinite(v)}, it)
             if lines:  # training curves as a PNG, for people who would rather look than read
                 png = plot_curves(str(self.out / "metrics.jsonl"), str(self.out / "curves.png"))
                 self.tracker.log_artifact(png)

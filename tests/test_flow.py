@@ -115,12 +115,20 @@ def test_mlflow_records_every_stage_without_duplicate_steps(crashed_and_resumed)
     gsm = children["gsm8k"]
     assert gsm.data.params["loss_type"] == "dapo" and "objective.normaliser" in gsm.data.params
     assert {d.dataset.name for d in gsm.inputs.dataset_inputs} == {"gsm8k_train", "gsm8k_test"}
+    assert children["curriculum"].data.metrics["reward_trend/window"] >= 1
     ev = children["evaluate"].data.metrics
     assert 0.0 <= ev["eval/gsm8k_test/accuracy"] <= 1.0
     assert ev["eval/gsm8k_test/accuracy_ci_low"] <= ev["eval/gsm8k_test/accuracy"] <= ev["eval/gsm8k_test/accuracy_ci_high"]
     assert "eval/arith_holdout/sft/accuracy" in ev
     version = client.get_model_version("grpo-gsm8k", run["register"].task["registry"].data["version"])
     assert version.tags["grpo.config"] == "tiny"
+
+
+def test_end_prints_stage_table_and_reward_trend(crashed_and_resumed):
+    *_, run = crashed_and_resumed
+    out = run["end"].task.stdout
+    assert "arith_holdout" in out and "gsm8k_test" in out and "95% CI" in out, out
+    assert "curriculum GRPO: " in out and "means of the first/last" in out, out
 
 
 def test_evaluation_keeps_per_item_results_for_every_stage(crashed_and_resumed):

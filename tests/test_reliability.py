@@ -6,6 +6,7 @@ docs/reliability.md maps every fault to its test.
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -470,6 +471,23 @@ def test_wrong_length_reward_stops_before_any_update_or_checkpoint(tiny, tmp_pat
 def _tweak_tokenizer(d: Path, **fields) -> None:
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, **fields}))
+
+
+def test_model_source_kinds_hub_ids_dirs_and_missing_paths(tiny, tmp_path, monkeypatch):
+    """org/name is a hub id (the Kubernetes config's default), an existing dir is loaded from,
+    anything path-like that does not exist is an error naming it."""
+    from grpo_core.models import _local_model_dir, load_policy
+
+    for hub_id in ("Qwen/Qwen2.5-0.5B-Instruct", "gpt2", "openai-community/gpt2"):
+        assert _local_model_dir(hub_id) == hub_id
+    monkeypatch.chdir(tiny.parent)
+    assert _local_model_dir(tiny.name) == tiny.name  # a relative dir that exists wins
+    for missing in ("a/b/c", "./nope", str(tmp_path / "nope"), "~/no-such-model-dir"):
+        with pytest.raises(FileNotFoundError, match=re.escape(repr(missing)) + " does not exist"):
+            _local_model_dir(missing)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub id goes to the hub (offline here: a clear error)
+    with pytest.raises(ValueError, match=r"could not load a tokenizer from 'no-such-org/no-such-model'"):
+        load_policy("no-such-org/no-such-model")
 
 
 def test_bad_model_dirs_are_errors_naming_the_dir_and_fix(tiny, tmp_path):

@@ -10,6 +10,7 @@ from grpo_core.stats import (
     mcnemar_exact,
     paired_accuracy_diff,
     wilson_interval,
+    window_change,
 )
 
 
@@ -84,3 +85,26 @@ def test_length_mismatch_raises():
 def test_paired_accuracy_diff():
     assert paired_accuracy_diff([True, True, False, False], [True, False, False, False]) == 0.25
     assert accuracy([]) == 0.0
+
+
+def test_window_change_hand_values():
+    # 8 values -> window 2 (a quarter): first [1, 2], last [7, 8]; each variance 0.5
+    w = window_change([1, 2, 3, 4, 5, 6, 7, 8], window=10)
+    assert (w["window"], w["first"], w["last"], w["diff"]) == (2, 1.5, 7.5, 6.0)
+    half = 1.96 * math.sqrt(0.5 / 2 + 0.5 / 2)
+    assert w["ci_low"] == pytest.approx(6.0 - half) and w["ci_high"] == pytest.approx(6.0 + half)
+
+
+def test_window_change_matches_statistics_module_and_handles_short_runs():
+    import statistics
+
+    vals = [0.41, 0.52, 0.38, 0.47, 0.44, 0.5, 0.61, 0.55, 0.58, 0.49, 0.63, 0.57]
+    w = window_change(vals, window=3)
+    a, b = vals[:3], vals[-3:]
+    se = math.sqrt(statistics.variance(a) / 3 + statistics.variance(b) / 3)
+    assert w["diff"] == pytest.approx(statistics.mean(b) - statistics.mean(a))
+    assert w["ci_high"] - w["ci_low"] == pytest.approx(2 * 1.96 * se)
+    one = window_change([0.2, 0.9])  # a window of one value has no spread: no interval
+    assert one["diff"] == pytest.approx(0.7) and math.isnan(one["ci_low"])
+    with pytest.raises(ValueError, match="at least one value"):
+        window_change([])

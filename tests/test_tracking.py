@@ -200,3 +200,20 @@ def test_outage_delays_points_then_sends_each_once(mlflow_servers, tmp_path, cap
     assert t1.flush() is True
     assert "flushed 10 delayed points" in capsys.readouterr().err
     assert _steps(srv2.url, run_id) == list(range(15))
+
+
+def test_known_outage_costs_one_probe_per_call_not_a_full_backoff(mlflow_server):
+    """After retries are exhausted once, later calls try once: a long outage must not stall
+    rank 0 for the whole backoff (~15 s) at every checkpoint flush."""
+    tracker = MlflowTracker(mlflow_server, start_parent_run(mlflow_server, "probe", {}),
+                            max_retries=3, backoff_s=0.001)
+    tries = []
+
+    def unreachable():
+        tries.append(1)
+        raise ConnectionError("connection refused")
+
+    assert tracker._call("metrics", unreachable) == "down" and len(tries) == 4
+    assert tracker._call("metrics", unreachable) == "down" and len(tries) == 5
+    assert tracker._call("metrics", lambda: None) == "ok"  # the server is back: full retries again
+    assert tracker._call("metrics", unreachable) == "down" and len(tries) == 9

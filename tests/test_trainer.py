@@ -32,6 +32,9 @@ def test_learns_a_learnable_reward(tiny, tmp_path):
                 "time_reward", "time_update"):
         assert key in rows[-1], key
     assert summary["iterations_run"] == 40
+    trend = summary["reward_trend"]  # first/last 10-iteration means with a Welch 95% interval
+    assert trend["window"] == 10 and trend["first"] == pytest.approx(sum(r["reward"] for r in rows[:10]) / 10)
+    assert trend["ci_low"] > 0, trend
     card = json.loads((tmp_path / "objective.json").read_text())
     assert card["loss_type"] == "dapo" and "global batch" in card["normaliser"]
     from transformers import AutoModelForCausalLM
@@ -97,6 +100,18 @@ def test_torchrun_two_ranks_equal_one_process_update_for_dapo(tiny, tmp_path):
 def test_bad_stage_config_names_the_field(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("text,match", [
+    ('{"lr": 1e-4,,}', r"bad\.json: not valid JSON at line 1"), ("[1, 2]", r"bad\.json: expected a JSON object"),
+    (None, r"bad\.json: cannot read it"),
+])
+def test_bad_stage_config_file_names_the_file(tmp_path, text, match):
+    path = tmp_path / "bad.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_config(str(path), [])
 
 
 def test_bad_reward_path_is_reported_before_training(tiny, tmp_path):
