@@ -161,6 +161,18 @@ def _rms_norm(x, norm):
     return norm.weight * x.to(dtype)
 
 
+def _single_query_attention(q, keys, values, attend, scale: float):
+    """softmax(q K^T * scale, masked) V for one new token per row: two batched GEMVs.
+
+    SDPA's CPU flash kernel is built for many queries; with one query per row it cost ~0.7 ms
+    per call here (a quarter of decoding), this ~0.15 ms. Same math, float32 throughout; the
+    values differ from SDPA's only by summation order (~1e-7).
+    """
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)              # [B, nkv, rep, L]
+    scores.masked_fill_(~attend, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values)                 # [B, nkv, rep, D]
+
+
 class _Stepper:
     """One decode step through the model's own weights and ops, minus the module-call overhead."""
 
@@ -193,7 +205,7 @@ class _Stepper:
             kbuf[:, :, n] = k[:, :, 0]
             vbuf[:, :, n] = v[:, :, 0]
             q = q.reshape(B, kbuf.shape[1], -1, D)  # GQA: a KV head's query heads as rows (as transformers does)
-            o = F.scaled_dot_product_attention(q, kbuf, vbuf, attn_mask=attend, scale=self.scaling)
+            o = _single_query_attention(q, kbuf, vbuf, attend, self.scaling)
             h = h + F.linear(o.reshape(B, -1, 1, D).transpose(1, 2).reshape(B, 1, -1), *o_w)
             x = _rms_norm(h, layer.post_attention_layernorm)
             h = h + F.linear(F.silu(F.linear(x, *g_w)) * F.linear(x, *u_w), *d_w)
@@ -219,8 +231,10 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
     keys, values = [], []
     for layer in cache.layers:
         for src, dst in ((layer.keys, keys), (layer.values, values)):
-            buf = src.new_zeros(B, src.shape[1], P + T, src.shape[-1])       # [B, nkv, P+T, D]
+            buf = src.new_empty(B, src.shape[1], P + T, src.shape[-1])       # [B, nkv, P+T, D]
             buf[:, :, :P] = src.repeat_interleave(G, 0)
+            if dst is values:  # unwritten key slots are masked to -inf; unwritten values must be
+                buf[:, :, P:] = 0  # finite, as 0 x NaN would poison the weighted sum
             dst.append(buf)
     del out, cache
     attend = torch.zeros(B, 1, 1, P + T, dtype=torch.bool, device=dev)      # [B, 1, 1, P+T]
