@@ -89,7 +89,8 @@ def dataset_identities(cfg: PipelineConfig) -> dict:
 
 def open_tracking(cfg: PipelineConfig, tags: dict, run_name: str) -> tuple[str, str]:
     """Resolve the tracking URI and create the MLflow parent run; returns (uri, run_id)."""
-    from grpo_core.tracking import open_tracker, resolve_tracking_uri, start_parent_run
+    from grpo_core.tracking import resolve_tracking_uri, start_parent_run
+    from grpo_core.tracking_logger import open_tracker
 
     uri = resolve_tracking_uri(cfg.tracking_uri, str(PROJECT_DIR))
     run_id = start_parent_run(uri, cfg.experiment, tags, run_name=run_name)
@@ -116,7 +117,7 @@ def load_sft(cfg: PipelineConfig, ctx: RunContext) -> tuple[str, dict]:
     import torch
 
     from grpo_core.sft import bootstrap
-    from grpo_core.tracking import open_tracker
+    from grpo_core.tracking_logger import open_tracker
 
     torch.set_num_threads(max(os.cpu_count() or 1, 1))
     local = ctx.scratch("load_sft") / "model"
@@ -195,7 +196,7 @@ def evaluate_checkpoint(cfg: PipelineConfig, stage: str, model_uri: str) -> dict
 
 def log_evaluation(ctx: RunContext, results: list[dict], datasets: dict) -> None:
     """Every stage's accuracy, named by its data, on the evaluate child run (+ per-item JSON)."""
-    from grpo_core.tracking import open_tracker
+    from grpo_core.tracking_logger import open_tracker
 
     run_id = child_run(ctx, "evaluate", datasets, names=[n for n in ("gsm8k_test", "arith_holdout")
                                                           if n in results[0]["summary"]])

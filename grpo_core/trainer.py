@@ -26,7 +26,8 @@ from grpo_core.objective import objective_card
 from grpo_core.rewards import RewardSpec, combine_rewards, resolve_specs
 from grpo_core.rollout import completion_logprobs, generate_rollouts
 from grpo_core.stats import window_change
-from grpo_core.tracking import open_tracker, plot_curves
+from grpo_core.tracking import plot_curves
+from grpo_core.tracking_logger import open_tracker
 from grpo_core.types import RolloutBatch
 
 MAX_NONFINITE_IN_A_ROW = 3  # consecutive skipped updates before the stage stops with an error

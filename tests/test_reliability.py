@@ -332,7 +332,7 @@ def test_training_completes_while_the_mlflow_server_is_down(tiny, tmp_path, monk
     """Nothing listens at the tracking URI (a dead server: connection refused on every call).
     The retry budget is shortened from 5 tries with 0.5 s backoff (15.5 s per flush) to keep
     the test fast; the tracker and the failures are real."""
-    from grpo_core.tracking import MlflowTracker
+    from grpo_core.tracking_logger import MlflowTracker
 
     monkeypatch.setattr(MlflowTracker.__init__, "__kwdefaults__",
                         {**MlflowTracker.__init__.__kwdefaults__, "max_retries": 1, "backoff_s": 0.05})

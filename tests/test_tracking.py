@@ -7,13 +7,11 @@ import signal
 
 import pytest
 
+from grpo_core.tracking_logger import MlflowTracker, Tracker, open_tracker
 from grpo_core.tracking import (
-    MlflowTracker,
-    Tracker,
     finish_run,
     flatten_params,
     log_dataset,
-    open_tracker,
     plot_curves,
     resolve_tracking_uri,
     start_child_run,
