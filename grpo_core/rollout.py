@@ -215,13 +215,20 @@ class _Stepper:
 @torch.inference_mode()
 def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: int, eos_id: int, pad_id: int,
                          temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
-                         step_logits: list | None = None):
+                         step_logits: list | None = None, compact_below: float = 0.75):
     """G completions per left-padded prompt [N, P] -> token ids [N*G, T'] (T' <= max_new_tokens).
 
     Each prompt is prefilled once; its K/V are copied G times into buffers [B, nkv, P+T, D] that
     the decode steps fill in place (a bool mask hides padding and unwritten slots). Finished rows
     get ``pad_id``, as generate does; decoding stops once every row has emitted EOS. If
-    ``step_logits`` is a list, the raw float32 logits of each step [B, V] are appended to it.
+    ``step_logits`` is a list, the raw float32 logits of each step [B, V] are appended to it
+    (zeros for rows no longer decoded).
+
+    Compaction: once the unfinished rows are at most ``compact_below`` of the rows still being
+    decoded, finished rows leave the batch (their K/V, mask and positions are dropped), so
+    short completions stop costing compute. Each row's distribution is unchanged; only the
+    mapping of random numbers to rows changes, so ``compact_below=0`` is needed for the
+    same-seed-same-samples comparison with ``generate``.
     """
     G, T = group_size, max_new_tokens
     (N, P), dev = ids.shape, ids.device
@@ -242,20 +249,26 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
     pos = mask.sum(-1).repeat_interleave(G)[:, None] - 1                     # [B, 1] last prompt position
     step = _Stepper(model, P + T)
     tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)       # [B, T]
-    unfinished = torch.ones(B, dtype=torch.bool, device=dev)
+    rows = torch.arange(B, device=dev)                                       # [b] rows still decoded
+    unfinished = torch.ones(B, dtype=torch.bool, device=dev)                 # [b]
     for t in range(T):
         if step_logits is not None:
-            step_logits.append(logits.clone())
+            step_logits.append(logits.new_zeros(B, logits.shape[-1]).index_copy_(0, rows, logits))
         if greedy:
             nxt = logits.argmax(-1)
         else:
             probs = torch.softmax(_warp(logits, temperature, top_k, top_p), dim=-1)
-            nxt = torch.multinomial(probs, num_samples=1).squeeze(1)        # [B]
+            nxt = torch.multinomial(probs, num_samples=1).squeeze(1)        # [b]
         nxt = torch.where(unfinished, nxt, pad_id)
-        tokens[:, t] = nxt
+        tokens[rows, t] = nxt
         unfinished &= nxt != eos_id
-        if t == T - 1 or not unfinished.any():
+        left = int(unfinished.sum())
+        if t == T - 1 or left == 0:
             break
+        if left <= compact_below * len(rows):
+            keep = unfinished.nonzero().squeeze(1)
+            rows, nxt, pos, attend, unfinished = rows[keep], nxt[keep], pos[keep], attend[keep], unfinished[keep]
+            keys, values = [k[keep] for k in keys], [v[keep] for v in values]
         pos = pos + 1
         attend[:, 0, 0, P + t] = True
         logits = step(nxt, pos, keys, values, P + t, attend)

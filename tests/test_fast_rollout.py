@@ -158,5 +158,47 @@ def test_same_seed_samples_the_same_tokens_as_generate(temperature):
     ref = _generate(model, ids, mask, 4, 16, tok.eos_token_id, tok.pad_token_id, greedy=False, **kw)
     torch.manual_seed(5)
     fast = sample_shared_prefix(model, ids, mask, 4, max_new_tokens=16, eos_id=tok.eos_token_id,
-                                pad_id=tok.pad_token_id, **kw)
+                                pad_id=tok.pad_token_id, compact_below=0.0, **kw)
     assert torch.equal(fast, ref)
+
+
+def _frequent_token(model, tok, ids, mask, G):
+    """A token the model samples often, to stand in for EOS so that many rows stop early."""
+    torch.manual_seed(0)
+    free = sample_shared_prefix(model, ids, mask, G, max_new_tokens=12, eos_id=-1, pad_id=tok.pad_token_id)
+    return int(torch.mode(free.flatten()).values)
+
+
+def test_compaction_keeps_greedy_tokens_equal_to_generate():
+    """Rows that finished leave the decode batch; the tokens of every row stay generate's."""
+    model, tok = _model()
+    ids, mask = _prompts(tok)
+    free = sample_shared_prefix(model, ids, mask, 1, max_new_tokens=12, eos_id=-1, pad_id=0, greedy=True)
+    for eos in {int(free[0, 2]), int(free[1, 3]), int(free[2, 1])}:  # rows stop at different steps
+        kw = dict(temperature=1.0, top_p=1.0, top_k=0, greedy=True)
+        ref = _generate(model, ids, mask, 3, 12, eos, tok.pad_token_id, **kw)
+        fast = sample_shared_prefix(model, ids, mask, 3, max_new_tokens=12, eos_id=eos, pad_id=tok.pad_token_id,
+                                    greedy=True, compact_below=0.99)
+        assert torch.equal(fast, ref), eos
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_compacted_decoding_samples_the_distribution_the_loss_scores(temperature):
+    """With compaction active (many early stops), every kept token's sampling distribution is the
+    one completion_logprobs scores: compaction moves rows, never changes what they see."""
+    model, tok = _model()
+    ids, mask = _prompts(tok)
+    G = 4
+    eos = _frequent_token(model, tok, ids, mask, G)
+    steps = []
+    torch.manual_seed(3)
+    comp = sample_shared_prefix(model, ids, mask, G, max_new_tokens=12, eos_id=eos, pad_id=tok.pad_token_id,
+                                temperature=temperature, step_logits=steps, compact_below=0.9).clone()
+    cmask, trunc = completion_mask(comp, eos)
+    lengths = cmask.sum(-1)
+    assert lengths.min() < lengths.max() and (lengths < comp.shape[1]).sum() >= 3, "compaction must happen"
+    batch = RolloutBatch(ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), comp, cmask, trunc, G, [], [])
+    sampled = torch.log_softmax(torch.stack(steps, 1) / temperature, -1).gather(-1, comp[..., None])[..., 0]
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, batch, temperature)
+    assert torch.allclose(logp[cmask], sampled[cmask], atol=1e-4)
