@@ -105,8 +105,9 @@ class GRPOFlow(FlowSpec):
 
     # -- helpers (no pipeline logic here; see grpo_core.pipeline)
     def _ctx(self) -> pipeline.RunContext:
-        return pipeline.RunContext(**{**self.ctx.__dict__, "run_id": current.run_id,
-                                      "origin_run_id": current.origin_run_id})
+        ctx = pipeline.RunContext(**{**self.ctx.__dict__, "run_id": current.run_id,
+                                     "origin_run_id": current.origin_run_id})
+        return ctx.in_this_process(self.pc.tracking_uri)
 
     def _train(self, stage: str, model_uri: str) -> dict:
         pc, ctx = self.pc, self._ctx()

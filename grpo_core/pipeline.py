@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from grpo_core import storage
@@ -33,6 +33,17 @@ class RunContext:
     storage_root: str
     tracking_uri: str
     parent_run_id: str
+
+    def in_this_process(self, configured: str | None) -> RunContext:
+        """This context with the tracking URI as the process running a step sees it.
+
+        Precedence: this process's MLFLOW_TRACKING_URI, then the configured URI, then the one
+        ``start`` resolved (the local default's sqlite file). So a training pod never inherits a
+        workstation-only address that ``start`` saw (a port-forwarded ``localhost``): it uses
+        its own environment or the configured in-cluster URI.
+        """
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or configured or self.tracking_uri
+        return replace(self, tracking_uri=uri)
 
     def step_uri(self, step: str, run_id: str | None = None) -> str:
         return storage.join(self.storage_root, self.flow, run_id or self.run_id, step)

@@ -236,3 +236,20 @@ def test_s3_storage_run_puts_checkpoints_and_models_on_s3(tmp_path, s3_server):
     assert any("gsm8k_grpo/checkpoints/ckpt-000002/manifest.json" in k for k in keys)
     assert s3.list_objects_v2(Bucket="mf-bucket", Prefix="metaflow/GRPOFlow/")["KeyCount"] > 0  # datastore too
     assert "registry: grpo-gsm8k v1 -> first" in out.stdout + out.stderr
+
+
+def test_steps_resolve_the_tracking_uri_where_they_run(monkeypatch):
+    """A training pod must not inherit the workstation's port-forwarded localhost from `start`:
+    its own MLFLOW_TRACKING_URI wins, then the configured URI, then what `start` resolved."""
+    from grpo_core.pipeline import RunContext
+
+    ctx = RunContext(flow="F", run_id="1", origin_run_id=None, storage_root="s3://b/p",
+                     tracking_uri="http://localhost:5000", parent_run_id="abc")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    in_cluster = "http://mlflow.grpo.svc.cluster.local:5000"
+    assert ctx.in_this_process(in_cluster).tracking_uri == in_cluster
+    assert ctx.in_this_process(None).tracking_uri == "http://localhost:5000"  # local default: sqlite of start
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://pod-env:5000")
+    here = ctx.in_this_process(in_cluster)
+    assert here.tracking_uri == "http://pod-env:5000" and here.parent_run_id == "abc"
+    assert ctx.tracking_uri == "http://localhost:5000"  # frozen: the artifact is not changed
