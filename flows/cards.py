@@ -33,6 +33,15 @@ def training_card(card, stage: str):
     return on_progress
 
 
+def training_result(card, summary: dict) -> None:
+    """The stage's verdict under its curves: first-vs-last window reward with its interval."""
+    t = summary.get("reward_trend")
+    if t:
+        card.append(Markdown(f"**Reward, mean of the first vs last {t['window']} iterations:** "
+                             f"{t['first']:.3f} -> {t['last']:.3f} (change {t['diff']:+.3f}, "
+                             f"95% CI [{t['ci_low']:+.3f}, {t['ci_high']:+.3f}])"))
+
+
 def stage_table_card(card, results: list[dict]) -> None:
     """Accuracy of every stage on every held-out set, with 95% intervals."""
     sets = list(results[0]["summary"])

@@ -23,7 +23,7 @@ from metaflow import Config, FlowSpec, card, current, step
 
 from compute import train_compute
 from grpo_core import pipeline
-from cards import stage_table_card, training_card
+from cards import stage_table_card, training_card, training_result
 from grpo_core.config import PipelineConfig, parse_config_text
 
 LOCAL_DEFAULT = str(Path(__file__).resolve().parent / "configs" / "local.toml")
@@ -112,8 +112,10 @@ class GRPOFlow(FlowSpec):
     def _train(self, stage: str, model_uri: str) -> dict:
         pc, ctx = self.pc, self._ctx()
         stage_cfg = pipeline.stage_config(pc, stage, current.step_name, model_uri, ctx, self.datasets)
-        return pipeline.launch_stage(stage_cfg, pc.compute.nproc_per_node, pc.compute.threads_per_proc,
-                                     on_progress=training_card(current.card["training"], stage))
+        summary = pipeline.launch_stage(stage_cfg, pc.compute.nproc_per_node, pc.compute.threads_per_proc,
+                                        on_progress=training_card(current.card["training"], stage))
+        training_result(current.card["training"], summary)
+        return summary
 
 
 if __name__ == "__main__":

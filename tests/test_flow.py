@@ -140,7 +140,8 @@ def test_evaluation_keeps_per_item_results_for_every_stage(crashed_and_resumed):
         assert {i["item_id"] for i in r["items"]["gsm8k_test"]} == {f"gsm8k_test:{k}" for k in range(8)}
     card = card_data(run["join_evaluations"].task, "evaluation")
     assert "arith_holdout" in card and "curriculum" in card and "95% Wilson" in card
-    assert "informative" in card_data(run["curriculum_grpo"].task, "training")
+    training = card_data(run["curriculum_grpo"].task, "training")
+    assert "informative" in training and "mean of the first vs last" in training
 
 
 def card_data(task, card_id: str) -> str:
