@@ -97,9 +97,10 @@ def _local_model_dir(name_or_path: str) -> str:
     if storage.is_s3(name_or_path):
         cache = Path(tempfile.mkdtemp(prefix="grpo_model_"))
         return str(storage.get_dir(name_or_path, cache))
-    if Path(name_or_path).expanduser().is_dir():
-        return str(Path(name_or_path).expanduser())
-    if HUB_ID.match(name_or_path) and not name_or_path.startswith("."):
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():
+        return str(local)
+    if HUB_ID.match(name_or_path):
         return name_or_path
     raise FileNotFoundError(f"model path {name_or_path!r} does not exist; give a hub id (org/name), "
                             "a local directory or an s3:// URI")

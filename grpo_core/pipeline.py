@@ -42,8 +42,10 @@ class RunContext:
         workstation-only address that ``start`` saw (a port-forwarded ``localhost``): it uses
         its own environment or the configured in-cluster URI.
         """
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or configured or self.tracking_uri
-        return replace(self, tracking_uri=uri)
+        from grpo_core.tracking import resolve_tracking_uri
+
+        return replace(self, tracking_uri=resolve_tracking_uri(configured, str(PROJECT_DIR),
+                                                               fallback=self.tracking_uri))
 
     def step_uri(self, step: str, run_id: str | None = None) -> str:
         return storage.join(self.storage_root, self.flow, run_id or self.run_id, step)

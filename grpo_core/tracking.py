@@ -76,11 +76,12 @@ def clean_tags(tags: Mapping | None) -> dict[str, str]:
 # ---------------------------------------------------------------- URIs, experiments, runs
 
 
-def resolve_tracking_uri(configured: str | None, project_dir: str) -> str:
-    """Env ``MLFLOW_TRACKING_URI`` > configured > ``sqlite:///<project>/.grpo/mlflow/mlflow.db``.
+def resolve_tracking_uri(configured: str | None, project_dir: str, fallback: str | None = None) -> str:
+    """Env ``MLFLOW_TRACKING_URI`` > configured > ``fallback`` > ``sqlite:///<project>/.grpo/mlflow/mlflow.db``.
 
     MLflow's own default is a sqlite db and ``mlruns`` in the *cwd*, and its file store raises
-    in 3.x, so we never fall back to either.
+    in 3.x, so we never fall back to either. ``fallback`` is a URI resolved earlier (by the
+    flow's ``start``) that later steps reuse when neither the env nor the config names one.
     """
     uri = os.environ.get("MLFLOW_TRACKING_URI") or configured
     if uri:
@@ -88,6 +89,8 @@ def resolve_tracking_uri(configured: str | None, project_dir: str) -> str:
             raise ValueError(f"file-store tracking URI {uri!r} is unsupported in MLflow 3; "
                              "use sqlite:///<abs path>.db or an http(s) server")
         return uri
+    if fallback:
+        return fallback
     db_dir = Path(project_dir).resolve() / ".grpo" / "mlflow"
     db_dir.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{db_dir / 'mlflow.db'}"

@@ -15,8 +15,10 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 
+from grpo_core.storage import atomic_write_text
 from grpo_core.tracking import (HTTP_ENV, METRICS_PER_BATCH, PARAMS_PER_BATCH, clean_tags, env_defaults,
                                 flatten_params, mlflow_client, read_jsonl, warn)
+
 
 class Tracker:
     """No-op logger: the interface the trainer codes against (non-zero ranks, tests)."""
@@ -191,9 +193,7 @@ class MlflowTracker(Tracker):
                  "step": m.step} for m in self._metrics]
         rows += [{"kind": "param", "key": k, "value": v} for k, v in self._params.items()]
         rows += [{"kind": "tag", "key": k, "value": v} for k, v in self._tags.items()]
-        with open(f"{path}.tmp", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        os.replace(f"{path}.tmp", path)
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def _load_spill(self, path: str) -> None:
         rows = read_jsonl(path)

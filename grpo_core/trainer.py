@@ -26,7 +26,7 @@ from grpo_core.objective import objective_card
 from grpo_core.rewards import RewardSpec, combine_rewards, resolve_specs
 from grpo_core.rollout import completion_logprobs, generate_rollouts
 from grpo_core.stats import window_change
-from grpo_core.tracking import plot_curves
+from grpo_core.tracking import plot_curves, read_jsonl
 from grpo_core.tracking_logger import open_tracker
 from grpo_core.types import RolloutBatch
 
@@ -304,15 +304,15 @@ class Trainer:
                 summary["model_uri"] = storage.put_dir(final, storage.join(self.cfg.sync_uri, "final"))
             else:
                 summary["model_uri"] = str(final)
-            lines = (self.out / "metrics.jsonl").read_text().splitlines() if (self.out / "metrics.jsonl").exists() else []
-            summary["last"] = json.loads(lines[-1]) if lines else {}
-            summary["first"] = json.loads(lines[0]) if lines else {}
-            if lines:
-                trend = summary["reward_trend"] = window_change([json.loads(x)["reward"] for x in lines])
+            metrics_path = self.out / "metrics.jsonl"
+            rows = read_jsonl(str(metrics_path)) if metrics_path.exists() else []
+            summary["last"] = rows[-1] if rows else {}
+            summary["first"] = rows[0] if rows else {}
+            if rows:
+                trend = summary["reward_trend"] = window_change([r["reward"] for r in rows])
                 self.tracker.log({f"reward_trend/{k}": v for k, v in trend.items() if math.isfinite(v)}, it)
-            if lines:  # training curves as a PNG, for people who would rather look than read
-                png = plot_curves(str(self.out / "metrics.jsonl"), str(self.out / "curves.png"))
-                self.tracker.log_artifact(png)
+                # training curves as a PNG, for people who would rather look than read
+                self.tracker.log_artifact(plot_curves(str(metrics_path), str(self.out / "curves.png")))
             self.tracker.flush()
             summary["tracking_delayed_points"] = getattr(self.tracker, "delayed_points", 0)
             self.tracker.close()
