@@ -37,6 +37,7 @@ from grpo_core import dist  # noqa: E402
 from grpo_core.algorithm import group_advantages, grpo_loss, token_logprobs  # noqa: E402
 from grpo_core.rollout import (_generate, completion_logprobs, completion_mask,  # noqa: E402
                                groups_share_prompts, sample_shared_prefix)
+from grpo_core.trainer import wrap_ddp  # noqa: E402
 from grpo_core.types import RolloutBatch  # noqa: E402
 
 BIG = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -292,8 +293,7 @@ def ddp_part(tmp: str) -> dict:
     rows[2 * info.rank: 2 * info.rank + 2] = True
     tr = trainer_for(model_dir, f"{tmp}/ddp{info.rank}", info, prompts_per_iter=2 * world)
     if not isinstance(tr.ddp, torch.nn.parallel.DistributedDataParallel):  # one GPU: still go through DDP
-        tr.ddp = torch.nn.parallel.DistributedDataParallel(tr.model, device_ids=[info.local_rank]
-                                                           if dev.type == "cuda" else None)
+        tr.ddp = wrap_ddp(tr.model, info)  # the trainer wraps only when world > 1
     tr.update(full.select_groups(rows))
     res = {"world_size": world, "backend": torch.distributed.get_backend(), "all_reduce_ok": ok_reduce}
     ddp_grads = grads(tr.model)

@@ -23,6 +23,8 @@ Semantics chosen (where implementations differ):
     - Loss aggregation ("grpo", "bnpo", "dapo", "dr_grpo") is documented in `grpo_loss`.
 """
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -70,22 +72,37 @@ _ADV_DENOMINATORS = {  # scale name -> (grouped rewards [N/G, G], eps) -> denomi
 }
 
 
-def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> Tensor:
+def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
+                     batch_std: float | None = None) -> Tensor:
     """Group-relative advantages.
 
     rewards: [N] (N = B), group-contiguous. Returns [N] in float32 (float64 if rewards are float64).
     scale="group": (r - group_mean) / (group_std + eps); "batch": (r - group_mean) / (batch_std + eps);
     "none": r - group_mean (Dr. GRPO). Std is Bessel-corrected. All-equal groups get exactly 0.
+    batch_std: the "batch" std when ``rewards`` are one shard of a larger batch (the trainer passes
+    the std over all ranks' rewards, ``batch_std_over_ranks``); default: the std of ``rewards``.
     """
     if scale not in _ADV_DENOMINATORS:
         raise ValueError(f"scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
+    if batch_std is not None and not (scale == "batch" and batch_std >= 0):
+        raise ValueError(f"batch_std must be >= 0 and goes with scale='batch', got {batch_std!r} "
+                         f"with scale={scale!r}")
     r = _grouped(rewards, group_size)  # [N/G, G]
     centred = r - r.mean(dim=1, keepdim=True)  # [N/G, G]
-    adv = centred / _ADV_DENOMINATORS[scale](r, eps)  # [N/G, G]
+    denominator = (_ADV_DENOMINATORS[scale](r, eps) if batch_std is None
+                   else torch.tensor(batch_std + eps, dtype=r.dtype, device=r.device))
+    adv = centred / denominator  # [N/G, G]
     informative = (r != r[:, :1]).any(dim=1, keepdim=True)  # [N/G, 1]
     return torch.where(informative, adv, torch.zeros_like(adv)).reshape(-1)  # [N]
+
+
+def std_from_moments(total: float, total_sq: float, count: float) -> float:
+    """Bessel-corrected std from sum, sum of squares and count (e.g. summed over ranks in float64)."""
+    if count < 2:
+        return 0.0
+    return math.sqrt(max(total_sq - total * total / count, 0.0) / (count - 1))
 
 
 def informative_mask(rewards: Tensor, group_size: int) -> Tensor:

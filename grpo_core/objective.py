@@ -13,7 +13,7 @@ NORMALISERS = {
     "dr_grpo": "sum over masked tokens / (sequences x max_completion_length) (Dr. GRPO)",
 }
 SCALES = {"group": "(r - group mean) / (group std + eps)",
-          "batch": "(r - group mean) / (std of this rank's batch + eps)",
+          "batch": "(r - group mean) / (std over all ranks' rewards + eps)",
           "none": "r - group mean (Dr. GRPO)"}
 
 

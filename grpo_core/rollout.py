@@ -312,11 +312,33 @@ def _shared_prefix_logits(model, batch: RolloutBatch, device):
     return torch.cat([first, rest], 1)                                                 # [B, T, V]
 
 
+class CompletionScorer(torch.nn.Module):
+    """``completion_logprobs`` of a policy as one module call, for DDP to wrap.
+
+    DDP allows exactly one forward per backward, while shared-prefix scoring calls the model twice
+    (the prompts once per group, then the completions on the repeated cache). Wrapping this module
+    instead of the bare model makes both calls one DDP forward, so multi-rank training keeps the
+    saving. Parameters are the model's own (names gain a ``model.`` prefix inside DDP only).
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: RolloutBatch, temperature: float, with_entropy: bool = False):
+        return completion_logprobs(self.model, batch, temperature, with_entropy)
+
+
 def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_entropy: bool = False):
-    """Per-token log-probs of the completion tokens [B, T] (and entropy [B, T] if asked)."""
+    """Per-token log-probs of the completion tokens [B, T] (and entropy [B, T] if asked).
+
+    ``model``: a causal LM, or DDP around a ``CompletionScorer`` (shared-prefix scoring, one DDP
+    forward) or around a bare LM (the full forward: the one forward DDP allows).
+    """
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and isinstance(model.module, CompletionScorer):
+        return model(batch, temperature, with_entropy)
     device = next(model.parameters()).device
     T = batch.completion_ids.shape[1]
-    # DDP needs exactly one forward per backward, so a wrapped model takes the full forward
     if groups_share_prompts(batch) and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         logits = _shared_prefix_logits(model, batch, device)                           # [B, T, V]
     else:

@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 
 from grpo_core import checkpoint, dist, storage
-from grpo_core.algorithm import group_advantages, grpo_loss, informative_mask, masked_mean
+from grpo_core.algorithm import group_advantages, grpo_loss, informative_mask, masked_mean, std_from_moments
 from grpo_core.data import PromptStream, eval_rows, train_rows
 from grpo_core.evaluate import greedy_results
 from grpo_core.health import divergence_alarm
 from grpo_core.models import load_policy, save_policy
 from grpo_core.objective import objective_card
 from grpo_core.rewards import RewardSpec, combine_rewards, resolve_specs
-from grpo_core.rollout import completion_logprobs, generate_rollouts
+from grpo_core.rollout import CompletionScorer, completion_logprobs, generate_rollouts
 from grpo_core.stats import window_change
 from grpo_core.tracking import plot_curves, read_jsonl
 from grpo_core.tracking_logger import open_tracker
@@ -35,6 +35,12 @@ MAX_NONFINITE_IN_A_ROW = 3  # consecutive skipped updates before the stage stops
 
 class NonFiniteError(RuntimeError):
     pass
+
+
+def wrap_ddp(model, info: dist.DistInfo):
+    """DDP around the policy's scorer, so shared-prefix scoring is one forward per backward."""
+    ids = [info.local_rank] if info.device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(CompletionScorer(model), device_ids=ids)
 
 
 def iteration_seed(seed: int, iteration: int, rank: int) -> int:
@@ -53,10 +59,9 @@ class Trainer:
         if cfg.beta > 0:  # the reference is always the stage's starting policy, also on resume
             self.ref, _ = load_policy(cfg.model, trust_remote_code=cfg.trust_remote_code)
             self.ref.to(info.device).eval().requires_grad_(False)
-        self.ddp = self.model
+        self.ddp = self.model  # what the update scores with: DDP around a CompletionScorer on > 1 rank
         if info.world_size > 1:
-            ids = [info.local_rank] if info.device.type == "cuda" else None
-            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+            self.ddp = wrap_ddp(self.model, info)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         warm = max(cfg.warmup_iters, 0)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
@@ -137,9 +142,19 @@ class Trainer:
             n_groups = min(pool.num_groups, drawn)
             batch = pool.select_groups(torch.arange(pool.num_groups) < n_groups) if n_groups else batch
             stats.update(dynamic_rounds=rounds, dynamic_drawn=drawn * (rounds + 1))
-        batch.advantages = group_advantages(batch.rewards, G, scale=c.scale, eps=c.adv_eps)
+        batch.advantages = self.advantages(batch.rewards)
         self.timings["time_generate"] += time.perf_counter() - t0 - self.timings["time_reward"]
         return batch, stats
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Group-relative advantages of this rank's groups; scale="batch" divides by the std of
+        the global batch (all ranks' rewards), so the update does not depend on how it is split."""
+        c, batch_std = self.cfg, None
+        if c.scale == "batch" and dist.active():
+            r = rewards.double()
+            batch_std = std_from_moments(*dist.all_reduce_sum(
+                [r.sum().item(), (r * r).sum().item(), r.numel()], self.info.device))
+        return group_advantages(rewards, c.group_size, scale=c.scale, eps=c.adv_eps, batch_std=batch_std)
 
     def update(self, batch: RolloutBatch) -> dict:
         c = self.cfg

@@ -439,3 +439,17 @@ def test_token_logprobs_saves_no_float32_copy_of_logits():
                                                   lambda t: t):
         token_logprobs(logits, torch.randint(0, 64, (4, 8)), chunk_size=8)
     assert sum(saved) <= logits.numel() * logits.element_size() + 4 * 8 * (4 + 8)  # logits + lse + targets
+
+
+def test_batch_std_override_and_std_from_moments():
+    """A shard's advantages with the whole batch's std equal the whole batch's advantages."""
+    from grpo_core.algorithm import std_from_moments
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 1.0, 1.0], dtype=torch.float64)
+    assert std_from_moments(r.sum().item(), (r * r).sum().item(), r.numel()) == pytest.approx(r.std().item())
+    assert std_from_moments(1.0, 1.0, 1) == 0.0  # one value: no spread, not a division by zero
+    whole = group_advantages(r, 4, scale="batch")
+    shard = group_advantages(r[4:], 4, scale="batch", batch_std=r.std().item())
+    torch.testing.assert_close(shard, whole[4:])
+    assert not torch.allclose(group_advantages(r[4:], 4, scale="batch"), whole[4:])  # the shard's own std
+    with pytest.raises(ValueError, match="batch_std.*scale='batch'"):
+        group_advantages(r, 4, scale="group", batch_std=0.5)

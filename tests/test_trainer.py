@@ -70,25 +70,43 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tiny, tmp_path):
     assert found.name == "ckpt-000002"
 
 
-def _update(tiny, out, nproc, loss_type):
+def _update(tiny, out, nproc, loss_type, prompts="shared", scale="group"):
     script = str(REPO / "tests" / "ddp_update_check.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
            if nproc > 1 else [sys.executable, script])
-    subprocess.run(cmd + [str(tiny), str(out), loss_type], check=True, env=env, capture_output=True, timeout=300)
-    return load_file(str(out))
+    subprocess.run(cmd + [str(tiny), str(out), loss_type, prompts, scale], check=True, env=env, capture_output=True,
+                   timeout=300)
+    grads = load_file(str(out))
+    return grads, grads.pop("shared_prefix_calls").item()
 
 
-def test_torchrun_two_ranks_equal_one_process_update_for_dapo(tiny, tmp_path):
-    one = _update(tiny, tmp_path / "one.st", 1, "dapo")
-    two = _update(tiny, tmp_path / "two.st", 2, "dapo")
+@pytest.mark.parametrize("prompts", ["shared", "mixed"])
+def test_torchrun_two_ranks_equal_one_process_update_for_dapo(tiny, tmp_path, prompts):
+    """Shared prompts take shared-prefix scoring on both sides (under DDP via CompletionScorer,
+    one DDP forward per backward); mixed prompts take the full forward."""
+    one, one_calls = _update(tiny, tmp_path / "one.st", 1, "dapo", prompts)
+    two, two_calls = _update(tiny, tmp_path / "two.st", 2, "dapo", prompts)
+    # the reference model and the policy: two shared-prefix scorings per update, or none
+    assert (one_calls, two_calls) == ((2, 2) if prompts == "shared" else (0, 0))
     assert max(g.abs().max().item() for g in one.values()) > 1e-4  # a real gradient
     assert one.keys() == two.keys()
     for k in one:
         assert torch.allclose(one[k], two[k], atol=1e-7, rtol=1e-4), k
-    # bnpo normalises per rank, so the same split gives a different update (the test can fail)
-    two_bnpo = _update(tiny, tmp_path / "two_bnpo.st", 2, "bnpo")
-    assert any(not torch.allclose(one[k], two_bnpo[k], atol=1e-7, rtol=1e-4) for k in one)
+    if prompts == "shared":  # bnpo normalises per rank, so the same split gives a different update
+        two_bnpo, _ = _update(tiny, tmp_path / "two_bnpo.st", 2, "bnpo", prompts)
+        assert any(not torch.allclose(one[k], two_bnpo[k], atol=1e-7, rtol=1e-4) for k in one)
+
+
+def test_torchrun_batch_scale_uses_the_std_over_all_ranks(tiny, tmp_path):
+    """The two halves' reward stds (0.577, 0.479) differ from the whole batch's (0.496): a per-rank
+    std would change the update, the all-reduced one leaves it equal to one process's."""
+    one, _ = _update(tiny, tmp_path / "one.st", 1, "dapo", scale="batch")
+    two, _ = _update(tiny, tmp_path / "two.st", 2, "dapo", scale="batch")
+    group, _ = _update(tiny, tmp_path / "group.st", 1, "dapo", scale="group")
+    assert any(not torch.allclose(one[k], group[k], atol=1e-7, rtol=1e-4) for k in one)  # scale matters
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-7, rtol=1e-4), k
 
 
 @pytest.mark.parametrize("override,match", [
