@@ -3,10 +3,10 @@
 ``generate_rollouts`` samples G completions per prompt (KV cache, left padding, stop at EOS).
 For Llama/Qwen2-style decoders on SDPA it uses ``sample_shared_prefix``: each prompt is prefilled
 once and its KV cache is copied G times into a preallocated buffer, then a lean loop over the
-model's own layers samples with ``torch.multinomial`` from softmax(logits / T) (top-k / top-p via
-transformers' warpers), stopping when every sequence has emitted EOS. It gives exactly
-``generate``'s tokens under greedy decoding (tests/test_fast_rollout.py); other models use
-``generate``. ``completion_logprobs`` re-scores the tokens with the *same* position ids
+model's own layers samples from softmax(logits / T) (top-k / top-p via transformers' warpers) by
+inverting the CDF, stopping when every sequence has emitted EOS. It gives exactly ``generate``'s
+tokens under greedy decoding, and under sampling with ``sampler="multinomial"`` and the same seed
+(tests/test_fast_rollout.py); other models use ``generate``. ``completion_logprobs`` re-scores the tokens with the *same* position ids
 (``cumsum(mask) - 1``): without them a left-padded batch is scored at shifted positions and the
 on-policy gradient silently becomes off-policy. When the G rows of every group share one prompt,
 the prompt is run once per group and its (differentiable) KV cache is shared by the G completions.
@@ -154,6 +154,18 @@ def _warp(logits, temperature: float, top_k: int, top_p: float):
     return logits
 
 
+def sample_inverse_cdf(probs):
+    """One token per row of ``probs`` [b, V] (rows need not sum to 1), by inverting the CDF.
+
+    The first index whose float64 cumulative sum exceeds u * total, u ~ U[0, 1): a token of zero
+    probability is never chosen (its cumulative sum equals its predecessor's), and u * total < total
+    in float64, so the index stays in range (the clamp is a guard only).
+    """
+    cdf = probs.double().cumsum(-1)                                              # [b, V]
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)  # [b]
+
+
 def _rms_norm(x, norm):
     """transformers' Llama/Qwen2 RMSNorm, op for op (float32 statistics, weight applied last)."""
     dtype, x = x.dtype, x.to(torch.float32)
@@ -215,7 +227,8 @@ class _Stepper:
 @torch.inference_mode()
 def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: int, eos_id: int, pad_id: int,
                          temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
-                         step_logits: list | None = None, compact_below: float = 0.75):
+                         step_logits: list | None = None, compact_below: float = 0.75,
+                         sampler: str = "inverse_cdf"):
     """G completions per left-padded prompt [N, P] -> token ids [N*G, T'] (T' <= max_new_tokens).
 
     Each prompt is prefilled once; its K/V are copied G times into buffers [B, nkv, P+T, D] that
@@ -229,7 +242,14 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
     short completions stop costing compute. Each row's distribution is unchanged; only the
     mapping of random numbers to rows changes, so ``compact_below=0`` is needed for the
     same-seed-same-samples comparison with ``generate``.
+
+    sampler: "inverse_cdf" (``sample_inverse_cdf``: one uniform number per row; decoding 0.91x
+    at hidden 64, 0.95x at 128) or "multinomial" (``torch.multinomial``, generate's: one
+    exponential number per vocabulary entry, ~0.15 ms a step at 64 x 108 on one CPU thread; the
+    same tokens as generate for the same seed).
     """
+    if sampler not in ("inverse_cdf", "multinomial"):
+        raise ValueError(f"sampler must be 'inverse_cdf' or 'multinomial', got {sampler!r}")
     G, T = group_size, max_new_tokens
     (N, P), dev = ids.shape, ids.device
     B = N * G
@@ -258,7 +278,8 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
             nxt = logits.argmax(-1)
         else:
             probs = torch.softmax(_warp(logits, temperature, top_k, top_p), dim=-1)
-            nxt = torch.multinomial(probs, num_samples=1).squeeze(1)        # [b]
+            nxt = (sample_inverse_cdf(probs) if sampler == "inverse_cdf"
+                   else torch.multinomial(probs, num_samples=1).squeeze(1))  # [b]
         nxt = torch.where(unfinished, nxt, pad_id)
         tokens[rows, t] = nxt
         unfinished &= nxt != eos_id
