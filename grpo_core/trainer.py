@@ -58,6 +58,7 @@ class Trainer:
         self.cfg, self.info = cfg, info
         self.out = Path(cfg.output_dir)
         self.ckpt_dir = self.out / "checkpoints"
+        self.metrics_path = self.out / "metrics.jsonl"  # one JSON line per iteration (rank 0)
         torch.manual_seed(cfg.seed)
         self.model, self.tok = load_policy(cfg.model, trust_remote_code=cfg.trust_remote_code)
         self.model.to(info.device).train()
@@ -97,7 +98,7 @@ class Trainer:
         return self.state["iteration"]
 
     def _truncate_metrics(self, iteration: int) -> None:
-        f = self.out / "metrics.jsonl"
+        f = self.metrics_path
         if self.info.is_main and f.exists():
             keep = [ln for ln in f.read_text().splitlines() if json.loads(ln)["iteration"] <= iteration]
             storage.atomic_write_text(f, "".join(ln + "\n" for ln in keep))
@@ -266,7 +267,7 @@ class Trainer:
         self.state["history"] = (self.state["history"] + [point])[-200:]
         if not self.info.is_main:
             return
-        with open(self.out / "metrics.jsonl", "a") as f:
+        with open(self.metrics_path, "a") as f:
             f.write(json.dumps(m) + "\n")
         self.tracker.log({k: v for k, v in m.items() if k != "iteration"}, step=m["iteration"])
         alarm = divergence_alarm(self.state["history"])
@@ -326,15 +327,14 @@ class Trainer:
                 summary["model_uri"] = storage.put_dir(final, storage.join(self.cfg.sync_uri, "final"))
             else:
                 summary["model_uri"] = str(final)
-            metrics_path = self.out / "metrics.jsonl"
-            rows = read_jsonl(str(metrics_path)) if metrics_path.exists() else []
+            rows = read_jsonl(str(self.metrics_path)) if self.metrics_path.exists() else []
             summary["last"] = rows[-1] if rows else {}
             summary["first"] = rows[0] if rows else {}
             if rows:
                 trend = summary["reward_trend"] = window_change([r["reward"] for r in rows])
                 self.tracker.log({f"reward_trend/{k}": v for k, v in trend.items() if math.isfinite(v)}, it)
                 # training curves as a PNG, for people who would rather look than read
-                self.tracker.log_artifact(plot_curves(str(metrics_path), str(self.out / "curves.png")))
+                self.tracker.log_artifact(plot_curves(str(self.metrics_path), str(self.out / "curves.png")))
             self.tracker.flush()
             summary["tracking_delayed_points"] = getattr(self.tracker, "delayed_points", 0)
             self.tracker.close()
