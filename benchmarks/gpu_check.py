@@ -5,7 +5,7 @@
 
 ``single`` (one process) checks, on the device against CPU references:
   1. token_logprobs forward+backward (bf16 and fp32 logits) vs CPU float64;
-  2. grpo_loss forward+backward (fp32) vs CPU float64;
+  2. grpo_loss forward+backward (fp32) vs CPU float64; the decoder's sampler's frequencies;
   3. one Trainer.update (tiny fp32 Llama) on the device vs the same update on CPU (gradients);
   4. shared-prefix decoder vs transformers generate: greedy tokens equal (tiny fp32 model; the
      bf16 model's match rate is reported), shared-prefix scoring vs full forward (fp32: equal
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from grpo_core import dist  # noqa: E402
 from grpo_core.algorithm import group_advantages, grpo_loss, token_logprobs  # noqa: E402
 from grpo_core.rollout import (_generate, completion_logprobs, completion_mask,  # noqa: E402
-                               groups_share_prompts, sample_shared_prefix)
+                               groups_share_prompts, sample_inverse_cdf, sample_shared_prefix)
 from grpo_core.trainer import wrap_ddp  # noqa: E402
 from grpo_core.types import RolloutBatch  # noqa: E402
 
@@ -157,6 +157,14 @@ def correctness(dev, tmp: str, vocab: int) -> dict:
     check("grpo_loss fp32 vs CPU float64", rel < 1e-5 and torch.allclose(outs[0][1], outs[1][1], rtol=1e-4, atol=1e-7),
           f"(rel loss err {rel:.1e})")
     res["grpo_loss_rel_err"] = rel
+    # the decoder's inverse-CDF sampler on the device: frequencies, zero-probability tokens never drawn
+    p, n = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0]), 200_000
+    torch.manual_seed(0)
+    freq = torch.bincount(sample_inverse_cdf(p.to(dev).expand(n, 5)).cpu(), minlength=5).double() / n
+    dev_sd = (freq - p.double()).abs() / (p.double() * (1 - p.double()) / n).sqrt().clamp(min=1e-12)
+    check("inverse-CDF sampler frequencies on the device", bool((dev_sd <= 4.5).all()) and freq[1] == freq[4] == 0,
+          f"(worst {dev_sd.max().item():.1f} standard errors)")
+    res["sampler_worst_standard_errors"] = dev_sd.max().item()
     # one Trainer.update on the device vs on CPU (same batch, fp32, shared-prefix scoring)
     model_dir = tiny_dir(tmp)
     batch = fixed_batch(2, 4)

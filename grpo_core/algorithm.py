@@ -80,7 +80,7 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps
     scale="group": (r - group_mean) / (group_std + eps); "batch": (r - group_mean) / (batch_std + eps);
     "none": r - group_mean (Dr. GRPO). Std is Bessel-corrected. All-equal groups get exactly 0.
     batch_std: the "batch" std when ``rewards`` are one shard of a larger batch (the trainer passes
-    the std over all ranks' rewards, ``batch_std_over_ranks``); default: the std of ``rewards``.
+    the std over all ranks' rewards, ``Trainer.advantages``); default: the std of ``rewards``.
     """
     if scale not in _ADV_DENOMINATORS:
         raise ValueError(f"scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")

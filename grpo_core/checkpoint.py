@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grpo_core import storage
+from grpo_core.models import unwrap
 
 PREFIX = "ckpt-"
 MANIFEST = "manifest.json"
@@ -58,7 +59,7 @@ def save(ckpt_root: str | Path, iteration: int, model, optimizer, scheduler, sta
     final = root / name_for(iteration)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}."))
     try:
-        module = model.module if hasattr(model, "module") else model
+        module = unwrap(model)
         weights = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
         _save_weights(weights, tmp / "model.safetensors")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
@@ -150,9 +151,13 @@ def latest(locations: list[str], scratch: str | Path) -> Path | None:
 def load(path: str | Path, model, optimizer, scheduler) -> dict:
     """Restore model/optimizer/scheduler/RNG from a verified checkpoint; returns state.json."""
     path = Path(path)
-    module = model.module if hasattr(model, "module") else model
-    module.load_state_dict(load_file(str(path / "model.safetensors")))
-    optimizer.load_state_dict(_load_tensors(path / "optimizer.pt"))
+    unwrap(model).load_state_dict(load_file(str(path / "model.safetensors")))
+    saved = _load_tensors(path / "optimizer.pt")
+    for group, live in zip(saved["param_groups"], optimizer.param_groups):
+        for key in ("fused", "foreach"):  # the implementation is where we run, not where we saved
+            if key in live:
+                group[key] = live[key]
+    optimizer.load_state_dict(saved)
     scheduler.load_state_dict(_load_tensors(path / "scheduler.pt"))
     set_rng_state(_load_tensors(path / "rng.pt"))
     return json.loads((path / "state.json").read_text())

@@ -171,9 +171,16 @@ def load_policy(name_or_path: str, *, trust_remote_code: bool = False, dtype: st
     return model, tok
 
 
+def unwrap(model):
+    """The bare model inside DDP and/or ``rollout.CompletionScorer`` (both keep it as ``.module``)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def save_policy(model, tok, out_dir: str | Path) -> Path:
     """Write an HF model dir (safetensors + tokenizer) atomically: temp dir, then rename."""
-    model = model.module if hasattr(model, "module") else model
+    model = unwrap(model)
 
     def fill(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)

@@ -159,9 +159,15 @@ def sample_inverse_cdf(probs):
 
     The first index whose float64 cumulative sum exceeds u * total, u ~ U[0, 1): a token of zero
     probability is never chosen (its cumulative sum equals its predecessor's), and u * total < total
-    in float64, so the index stays in range (the clamp is a guard only).
+    in float64, so the index stays in range (the clamp is a guard only). A row that is not a
+    distribution (NaN, inf, all zero: a diverged policy) is an error, as in ``torch.multinomial``.
     """
-    cdf = probs.double().cumsum(-1)                                              # [b, V]
+    cdf = torch.cumsum(probs, -1, dtype=torch.float64)                           # [b, V]
+    total = cdf[:, -1]
+    if not bool((total.isfinite() & (total > 0)).all()):  # one sync a step, as the loop's EOS check
+        bad = int((~(total.isfinite() & (total > 0))).nonzero()[0])
+        raise ValueError(f"sampling probabilities of row {bad} are not a distribution (sum {total[bad].item()}): "
+                         "the policy's logits are NaN/inf; lower lr or check the last checkpoint")
     u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)  # [b]
 
@@ -339,15 +345,15 @@ class CompletionScorer(torch.nn.Module):
     DDP allows exactly one forward per backward, while shared-prefix scoring calls the model twice
     (the prompts once per group, then the completions on the repeated cache). Wrapping this module
     instead of the bare model makes both calls one DDP forward, so multi-rank training keeps the
-    saving. Parameters are the model's own (names gain a ``model.`` prefix inside DDP only).
+    saving. Parameters are the model's own; checkpoints and saved models use ``models.unwrap``.
     """
 
     def __init__(self, model):
         super().__init__()
-        self.model = model
+        self.module = model  # named as DDP names it, so ``models.unwrap`` strips both layers
 
     def forward(self, batch: RolloutBatch, temperature: float, with_entropy: bool = False):
-        return completion_logprobs(self.model, batch, temperature, with_entropy)
+        return completion_logprobs(self.module, batch, temperature, with_entropy)
 
 
 def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_entropy: bool = False):

@@ -537,3 +537,32 @@ def test_rewards_beyond_float32_are_an_error_not_a_silent_inf():
     with pytest.raises(ValueError, match="index 0 is 4e\\+38"):  # each term fits, the sum does not
         combine_rewards(two, *args)
     assert combine_rewards([(lambda p, c, **_: [1e38, 0.0], 1.0, "big")], *args)[0] == [1e38, 0.0]
+
+
+def test_checkpoints_and_saved_models_unwrap_the_ddp_scorer_and_keep_the_optimizer_kind(tmp_path):
+    """The trainer hands DDP a CompletionScorer: whatever layer is passed in, checkpoints and saved
+    models hold the bare model's keys. A checkpoint written with one AdamW implementation resumes
+    with the one this machine runs (the saved flag does not override it)."""
+    from grpo_core.models import build_tiny, save_policy, unwrap
+    from grpo_core.rollout import CompletionScorer
+
+    model, tok = build_tiny("llama", 32, 1, 2, seed=0)
+    wrapped = CompletionScorer(model)
+    assert unwrap(wrapped) is model and unwrap(model) is model
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(plain, lambda it: 1.0)
+    path = checkpoint.save(tmp_path / "ckpts", 1, wrapped, plain, sched, {"iteration": 1})
+    assert set(load_file(str(path / "model.safetensors"))) == set(model.state_dict())
+    saved = save_policy(wrapped, tok, tmp_path / "final")
+    assert set(load_file(str(saved / "model.safetensors"))) <= set(model.state_dict())
+    fused = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    checkpoint.load(path, wrapped, fused, torch.optim.lr_scheduler.LambdaLR(fused, lambda it: 1.0))
+    assert fused.param_groups[0]["fused"] is True
+
+
+def test_sampling_from_a_diverged_policy_is_an_error_not_a_token():
+    from grpo_core.rollout import sample_inverse_cdf
+
+    for row in ([float("nan"), 0.5, 0.5], [1.0, float("inf"), 0.0], [0.0, 0.0, 0.0]):
+        with pytest.raises(ValueError, match="row 1 .*not a distribution.*NaN/inf"):
+            sample_inverse_cdf(torch.tensor([[0.2, 0.3, 0.5], row]))
