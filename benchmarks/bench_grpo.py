@@ -179,6 +179,20 @@ def compare(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
+def cpu_model() -> dict:
+    """Model name, family/model numbers and vector extensions from /proc/cpuinfo (Linux): ratios
+    move between CPUs (matmul-heavy code gains more from AVX-512 than overhead-bound code)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    field = lambda name: next((ln.split(":", 1)[1].strip() for ln in text.splitlines()  # noqa: E731
+                               if ln.split(":", 1)[0].strip() == name), None)
+    flags = set((field("flags") or "").split())
+    return {"cpu_model": field("model name"), "cpu_family": field("cpu family"), "cpu_model_number": field("model"),
+            "cpu_vector": sorted(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "fma"))}
+
+
 def machine() -> dict:
     import platform
 
@@ -187,6 +201,7 @@ def machine() -> dict:
 
     info = {"nproc": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "cpu": platform.processor() or platform.machine()}
+    info.update(cpu_model())
     try:
         import trl
         info["trl"] = trl.__version__
