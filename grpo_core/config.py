@@ -21,6 +21,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 SCALES = ("group", "batch", "none")
 TASKS = ("arithmetic", "gsm8k")
 GATE_METRICS = ("eval_accuracy", "informative_frac", "reward")
+METRICS_FILE = "metrics.jsonl"  # in a stage's output_dir: one JSON line per iteration (trainer writes, pipeline reads)
 DEFAULT_REWARDS = ({"fn": "grpo_core.rewards:gsm8k_correctness", "weight": 1.0},)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from grpo_core import checkpoint, dist, storage
 from grpo_core.algorithm import group_advantages, grpo_loss, informative_mask, masked_mean, std_from_moments
+from grpo_core.config import METRICS_FILE
 from grpo_core.data import PromptStream, eval_rows, train_rows
 from grpo_core.evaluate import greedy_results
 from grpo_core.health import divergence_alarm
@@ -58,7 +59,7 @@ class Trainer:
         self.cfg, self.info = cfg, info
         self.out = Path(cfg.output_dir)
         self.ckpt_dir = self.out / "checkpoints"
-        self.metrics_path = self.out / "metrics.jsonl"  # one JSON line per iteration (rank 0)
+        self.metrics_path = self.out / METRICS_FILE  # one JSON line per iteration (rank 0)
         torch.manual_seed(cfg.seed)
         self.model, self.tok = load_policy(cfg.model, trust_remote_code=cfg.trust_remote_code)
         self.model.to(info.device).train()
