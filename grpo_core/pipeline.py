@@ -18,6 +18,7 @@ from pathlib import Path
 
 from grpo_core import storage
 from grpo_core.config import METRICS_FILE, PipelineConfig, gsm8k_source
+from grpo_core.tracking import read_jsonl
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 CODE_DIR = Path(__file__).resolve().parent.parent  # the directory that holds grpo_core/
@@ -185,9 +186,7 @@ def launch_stage(stage_cfg: dict, nproc: int, threads: int, on_progress=None, po
 
 def read_metrics(out_dir: str | Path) -> list[dict]:
     f = Path(out_dir) / METRICS_FILE
-    if not f.exists():
-        return []
-    return [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()]
+    return read_jsonl(str(f)) if f.exists() else []
 
 
 def evaluate_checkpoint(cfg: PipelineConfig, stage: str, model_uri: str) -> dict:

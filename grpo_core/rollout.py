@@ -6,10 +6,11 @@ once and its KV cache is copied G times into a preallocated buffer, then a lean 
 model's own layers samples from softmax(logits / T) (top-k / top-p via transformers' warpers) by
 inverting the CDF, stopping when every sequence has emitted EOS. It gives exactly ``generate``'s
 tokens under greedy decoding, and under sampling with ``sampler="multinomial"`` and the same seed
-(tests/test_fast_rollout.py); other models use ``generate``. ``completion_logprobs`` re-scores the tokens with the *same* position ids
-(``cumsum(mask) - 1``): without them a left-padded batch is scored at shifted positions and the
-on-policy gradient silently becomes off-policy. When the G rows of every group share one prompt,
-the prompt is run once per group and its (differentiable) KV cache is shared by the G completions.
+(tests/test_fast_rollout.py); other models use ``generate``. ``completion_logprobs`` re-scores the
+tokens with the *same* position ids (``cumsum(mask) - 1``): without them a left-padded batch is
+scored at shifted positions and the on-policy gradient silently becomes off-policy. When the G
+rows of every group share one prompt, the prompt is run once per group and its (differentiable) KV
+cache is shared by the G completions.
 Log-probs are taken at the sampling temperature, and only the completion positions' logits are
 computed, never a [B, P+T, V] tensor.
 """
@@ -163,12 +164,13 @@ def sample_inverse_cdf(probs):
     distribution (NaN, inf, all zero: a diverged policy) is an error, as in ``torch.multinomial``.
     """
     cdf = torch.cumsum(probs, -1, dtype=torch.float64)                           # [b, V]
-    total = cdf[:, -1]
-    if not bool((total.isfinite() & (total > 0)).all()):  # one sync a step, as the loop's EOS check
-        bad = int((~(total.isfinite() & (total > 0))).nonzero()[0])
-        raise ValueError(f"sampling probabilities of row {bad} are not a distribution (sum {total[bad].item()}): "
+    total = cdf[:, -1:]                                                          # [b, 1]
+    ok = total.isfinite() & (total > 0)
+    if not bool(ok.all()):  # one sync a step, as the loop's EOS check
+        bad = int((~ok).nonzero()[0, 0])
+        raise ValueError(f"sampling probabilities of row {bad} are not a distribution (sum {total[bad, 0].item()}): "
                          "the policy's logits are NaN/inf; lower lr or check the last checkpoint")
-    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * total
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)  # [b]
 
 
@@ -362,11 +364,12 @@ def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_ent
     ``model``: a causal LM, or DDP around a ``CompletionScorer`` (shared-prefix scoring, one DDP
     forward) or around a bare LM (the full forward: the one forward DDP allows).
     """
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and isinstance(model.module, CompletionScorer):
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    if ddp and isinstance(model.module, CompletionScorer):
         return model(batch, temperature, with_entropy)
     device = next(model.parameters()).device
     T = batch.completion_ids.shape[1]
-    if groups_share_prompts(batch) and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    if groups_share_prompts(batch) and not ddp:
         logits = _shared_prefix_logits(model, batch, device)                           # [B, T, V]
     else:
         ids, attn, pos = _forward_inputs(batch, device)
