@@ -75,7 +75,8 @@ def build_model_dir(spec: dict, path: Path) -> Path:
 
 # Our speed levers, each of which a side named "ours-<lever>" switches off (before/after in one run)
 LEVERS = {"decode": "shared-prefix decode loop (else transformers generate)",
-          "score": "shared-prefix scoring forward for reference and policy (else full forward)"}
+          "score": "shared-prefix scoring forward for reference and policy (else full forward)",
+          "chunks": "length-sorted scoring chunks that skip positions after EOS (else one padded call)"}
 
 
 def disable_levers(names: list[str]) -> None:
@@ -88,6 +89,8 @@ def disable_levers(names: list[str]) -> None:
             rollout.fast_decode_supported = lambda model: False
         if name == "score":
             rollout.groups_share_prompts = lambda batch: False
+        if name == "chunks":
+            rollout.SCORE_CALL_COST = float("inf")
 
 
 def run_ours(spec: dict, model_dir: str, iters: int, warmup: int) -> list[dict]:

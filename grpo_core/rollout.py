@@ -10,7 +10,8 @@ tokens under greedy decoding, and under sampling with ``sampler="multinomial"`` 
 tokens with the *same* position ids (``cumsum(mask) - 1``): without them a left-padded batch is
 scored at shifted positions and the on-policy gradient silently becomes off-policy. When the G
 rows of every group share one prompt, the prompt is run once per group and its (differentiable) KV
-cache is shared by the G completions.
+cache is shared by the G completions, and rows are scored in length-sorted chunks that stop at each
+chunk's longest completion, so positions after EOS cost (almost) nothing.
 Log-probs are taken at the sampling temperature, and only the completion positions' logits are
 computed, never a [B, P+T, V] tensor.
 """
@@ -323,22 +324,71 @@ def groups_share_prompts(batch: RolloutBatch) -> bool:
     return bool((ids == ids[:, :1]).all() and (mask == mask[:, :1]).all())
 
 
+# One more model call costs about as much as scoring this many more positions: measured ~1.6 ms per
+# forward call and ~3 ms per forward+backward against 9 / 28 us per position (2-layer hidden-64 Llama,
+# one CPU thread). Larger models make positions dearer and calls relatively cheaper, so this errs
+# towards fewer chunks there.
+SCORE_CALL_COST = 96
+
+
+def length_chunks(lengths: list[int], call_cost: float | None = None) -> list[list[int]]:
+    """Rows grouped so that each scoring call stops at its own longest completion.
+
+    Positions after a row's EOS are masked out of the loss, yet a padded batch pays for them: with
+    lengths spread from 1 to T that is a quarter to half of the work. Rows sorted longest first are
+    cut into contiguous chunks minimising sum(rows x longest length) + ``call_cost`` per chunk, an
+    exact dynamic programme over the runs of equal length (a cut inside a run never helps).
+    Returns row indices per chunk, longest chunk first. ``call_cost`` defaults to ``SCORE_CALL_COST``.
+    """
+    call_cost = SCORE_CALL_COST if call_cost is None else call_cost
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    runs = []                                                                # (first sorted index, length)
+    for k, i in enumerate(order):
+        if not runs or lengths[i] != runs[-1][1]:
+            runs.append((k, lengths[i]))
+    ends = [k for k, _ in runs[1:]] + [len(order)]
+    best, cut = [0.0] + [float("inf")] * len(runs), [0] * (len(runs) + 1)   # best[j]: runs[:j] covered
+    for j in range(1, len(runs) + 1):
+        for i in range(j):
+            cost = best[i] + (ends[j - 1] - runs[i][0]) * runs[i][1] + call_cost
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    bounds, j = [], len(runs)
+    while j:
+        bounds.append((runs[cut[j]][0], ends[j - 1]))
+        j = cut[j]
+    return [order[a:b] for a, b in reversed(bounds)]
+
+
 def _shared_prefix_logits(model, batch: RolloutBatch, device):
-    """Completion-position logits [B, T, V]: each prompt run once, its KV cache repeated G times.
+    """Completion-position logits in pieces: [(rows [b], logits [b, L, V])], L = the piece's
+    longest completion (EOS included); each prompt run once, its KV cache shared by its G rows.
 
     The cache keeps its autograd graph, so gradients reach the prompt positions as in a full
-    forward. Same positions and mask as ``_forward_inputs``; equal to it up to float rounding.
+    forward. Same positions and mask as ``_forward_inputs``, so the logits at every position up
+    to a row's EOS equal the full forward's up to float rounding; later positions are not computed.
     """
-    G, (B, P), T = batch.group_size, batch.prompt_ids.shape, batch.completion_ids.shape[1]
-    out, cache = _prefill(model, batch.prompt_ids[::G].to(device), batch.prompt_mask[::G].to(device))
+    G, P = batch.group_size, batch.prompt_ids.shape[1]
+    out, prefix = _prefill(model, batch.prompt_ids[::G].to(device), batch.prompt_mask[::G].to(device))
+    # Repeated G times first, then rows picked: the backward of a pick with repeated indices
+    # (row // G) accumulates in a thread-dependent order; of unique ones, it does not (bitwise resume).
+    prefix.batch_repeat_interleave(G)
     first = out.logits[:, -1:].repeat_interleave(G, 0)                                 # [B, 1, V]
-    if T == 1:
-        return first
-    cache.batch_repeat_interleave(G)
     _, attn, pos = _forward_inputs(batch, device)
-    rest = model(input_ids=batch.completion_ids[:, :-1].to(device), attention_mask=attn[:, :-1],
-                 position_ids=pos[:, P:-1], use_cache=True, **{_cache_kwarg(model): cache}).logits
-    return torch.cat([first, rest], 1)                                                 # [B, T, V]
+    lengths = batch.completion_mask.sum(-1).clamp(min=1).tolist()
+    pieces = []
+    for chunk in length_chunks(lengths):
+        rows, L = torch.tensor(chunk, device=device), max(lengths[i] for i in chunk)  # [b]
+        if L == 1:
+            pieces.append((rows, first[rows]))
+            continue
+        cache = type(prefix)(config=model.config)
+        for i, layer in enumerate(prefix.layers):
+            cache.update(layer.keys[rows], layer.values[rows], i)
+        rest = model(input_ids=batch.completion_ids[chunk, :L - 1].to(device), attention_mask=attn[rows, :P + L - 1],
+                     position_ids=pos[rows, P:P + L - 1], use_cache=True, **{_cache_kwarg(model): cache}).logits
+        pieces.append((rows, torch.cat([first[rows], rest], 1)))                        # [b, L, V]
+    return pieces
 
 
 class CompletionScorer(torch.nn.Module):
@@ -361,6 +411,9 @@ class CompletionScorer(torch.nn.Module):
 def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_entropy: bool = False):
     """Per-token log-probs of the completion tokens [B, T] (and entropy [B, T] if asked).
 
+    Positions after a row's EOS (``completion_mask`` False) may be skipped and hold 0: mask them,
+    as the loss does.
+
     ``model``: a causal LM, or DDP around a ``CompletionScorer`` (shared-prefix scoring, one DDP
     forward) or around a bare LM (the full forward: the one forward DDP allows).
     """
@@ -368,17 +421,20 @@ def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_ent
     if ddp and isinstance(model.module, CompletionScorer):
         return model(batch, temperature, with_entropy)
     device = next(model.parameters()).device
-    T = batch.completion_ids.shape[1]
+    (B, T), targets = batch.completion_ids.shape, batch.completion_ids.to(device)
     if groups_share_prompts(batch) and not ddp:
-        logits = _shared_prefix_logits(model, batch, device)                           # [B, T, V]
+        pieces = _shared_prefix_logits(model, batch, device)                           # [(rows, [b, L, V])]
     else:
         ids, attn, pos = _forward_inputs(batch, device)
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                       logits_to_keep=T + 1, use_cache=False).logits[:, :-1]           # [B, T, V]
-    targets = batch.completion_ids.to(device)
-    logp = token_logprobs(logits, targets, temperature)                                # [B, T]
-    if not with_entropy:
-        return logp, None
-    with torch.no_grad():
-        ent = token_entropy(logits.detach(), temperature)                              # [B, T]
-    return logp, ent
+        pieces = [(torch.arange(B, device=device), model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                   logits_to_keep=T + 1, use_cache=False).logits[:, :-1])]             # [B, T, V]
+    logp, ent, rows = [], [], []
+    for r, logits in pieces:
+        pad = (0, T - logits.shape[1])
+        logp.append(F.pad(token_logprobs(logits, targets[r, :logits.shape[1]], temperature), pad))
+        if with_entropy:
+            ent.append(F.pad(token_entropy(logits.detach(), temperature), pad))
+        rows.append(r)
+    order = torch.cat(rows).argsort()                                                  # back to batch order
+    logp = torch.cat(logp)[order]                                                      # [B, T]
+    return logp, (torch.cat(ent)[order] if with_entropy else None)

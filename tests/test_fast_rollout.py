@@ -5,7 +5,7 @@ import torch
 from grpo_core.models import build_tiny
 from grpo_core.rollout import (_generate, completion_logprobs, completion_mask, encode_prompts,
                                fast_decode_supported, generate_rollouts, groups_share_prompts,
-                               sample_inverse_cdf, sample_shared_prefix)
+                               length_chunks, sample_inverse_cdf, sample_shared_prefix)
 from grpo_core.types import RolloutBatch
 
 PROMPTS = ["What is 3 + 4?", "A much longer question so the batch is left padded: 12 * 11?", "7 * 8?"]
@@ -117,7 +117,10 @@ def test_scored_logprobs_equal_the_decoder_sampling_distribution(temperature):
     assert torch.allclose(logp[cmask], sampled[cmask], atol=1e-4)
 
 
-def test_shared_prefix_scoring_equals_full_forward_in_value_and_gradient(monkeypatch):
+@pytest.mark.parametrize("call_cost", [0, float("inf")])
+def test_shared_prefix_scoring_equals_full_forward_in_value_and_gradient(monkeypatch, call_cost):
+    """Shared-prefix scoring, in one padded call (inf) or in length chunks that skip the positions
+    after EOS (0: one chunk per distinct length), equals the full forward at every scored position."""
     import grpo_core.rollout as rollout
 
     model, tok = _model()
@@ -127,8 +130,12 @@ def test_shared_prefix_scoring_equals_full_forward_in_value_and_gradient(monkeyp
     comp = sample_shared_prefix(model, ids, mask, G, max_new_tokens=9, eos_id=tok.eos_token_id,
                                 pad_id=tok.pad_token_id).clone()
     cmask, trunc = completion_mask(comp, tok.eos_token_id)
-    cmask[0, 5:] = False  # an early-EOS row: its masked positions must not matter either way
+    for row, length in ((0, 5), (3, 1), (4, 7)):  # early-EOS rows; their masked positions must not matter
+        cmask[row, length:] = False
     batch = RolloutBatch(ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), comp, cmask, trunc, G, [], [])
+    monkeypatch.setattr(rollout, "SCORE_CALL_COST", call_cost)
+    chunks = []
+    monkeypatch.setattr(rollout, "length_chunks", lambda *a, **k: chunks.append(length_chunks(*a, **k)) or chunks[-1])
     results = []
     for share in (True, False):
         monkeypatch.setattr(rollout, "groups_share_prompts", lambda b, share=share: share)
@@ -136,11 +143,42 @@ def test_shared_prefix_scoring_equals_full_forward_in_value_and_gradient(monkeyp
         logp, ent = completion_logprobs(model, batch, 0.8, with_entropy=True)
         (logp * cmask).sum().backward()
         results.append((logp.detach(), ent, [p.grad.clone() for p in model.parameters()]))
+    assert len(chunks[0]) == (len(set(cmask.sum(-1).tolist())) if call_cost == 0 else 1)
     (a, ea, ga), (b, eb, gb) = results
     assert torch.allclose(a[cmask], b[cmask], atol=1e-4)
     assert torch.allclose(ea[cmask], eb[cmask], atol=1e-4)
     for x, y in zip(ga, gb):
         assert torch.allclose(x, y, atol=1e-5, rtol=1e-3)
+
+
+def _partition_cost(lengths, chunks, call_cost):
+    return sum(len(c) * max(lengths[i] for i in c) + call_cost for c in chunks)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_length_chunks_is_the_cheapest_partition(seed):
+    """Every row once, and no split of the length-sorted rows (brute force over all cut sets, cuts
+    inside runs of equal length included) is cheaper than the chosen chunks."""
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    lengths = [rng.choice([1, 2, 3, 5, 8, 9, 9, 12]) for _ in range(10)]
+    call_cost = rng.choice([0, 3, 10, 40])
+    chunks = length_chunks(lengths, call_cost)
+    assert sorted(i for c in chunks for i in c) == list(range(10))
+    order = sorted(range(10), key=lambda i: -lengths[i])
+    brute = min(_partition_cost(lengths, [order[a:b] for a, b in zip((0,) + cuts, cuts + (10,))], call_cost)
+                for k in range(10) for cuts in itertools.combinations(range(1, 10), k))
+    assert _partition_cost(lengths, chunks, call_cost) == brute
+
+
+def test_length_chunks_by_hand():
+    lengths = [5, 1, 2, 6, 7, 7, 5, 7]
+    assert length_chunks(lengths, 0) == [[4, 5, 7], [3], [0, 6], [2], [1]]  # a chunk per distinct length
+    assert length_chunks(lengths, 1000) == [[4, 5, 7, 3, 0, 6, 2, 1]]       # one call: 8 x 7 positions
+    # cost 6: {7,7,7,6,5,5} x 7 + {2,1} x 2 = 42 + 4 + 2 x 6 = 58 beats one call (56 + 6 = 62)
+    assert length_chunks(lengths, 6) == [[4, 5, 7, 3, 0, 6], [2, 1]]
 
 
 def test_groups_share_prompts_detects_mixed_groups():
