@@ -1,15 +1,17 @@
 """GRPO iteration speed: our trainer vs TRL's GRPOTrainer on the same config, side by side.
 
-    .venv/bin/python benchmarks/bench_grpo.py                     # all configs, ours vs TRL, ABAB
+    .venv/bin/python benchmarks/bench_grpo.py                     # all configs, ours vs TRL, in lockstep
     .venv/bin/python benchmarks/bench_grpo.py --configs ref --repeats 5 --iters 10
     .venv/bin/python benchmarks/bench_grpo.py --quick             # smoke run: tiny, ours only, seconds
 
-Each measurement is one subprocess (one side, one config), so its peak RSS is that side's alone.
-The parent alternates the sides (ours, TRL, ours, TRL, ...: ABAB) so that machine noise hits both
-alike, and reports per side the median over runs of each run's median seconds per iteration (the
-first ``--warmup`` iterations of every run are excluded), completion tokens per second, the time
-split, peak RSS, mean completion length, and ours/TRL ratios (of medians, and the median of the
-per-pair ratios). Results go to ``benchmarks/results/<name>.json``.
+Each side runs in its own worker process (so its peak RSS is that side's alone). All sides of a
+run start together and then go in lockstep, one iteration at a time (ours, TRL, then TRL, ours,
+...), each waiting while the other runs, so iteration i of ours and of TRL are seconds apart and
+see the same machine (this VM's speed drifts by +-25% between runs a minute apart). Per side: the
+median over runs of each run's median seconds per iteration (the first ``--warmup`` iterations of
+every run are excluded), completion tokens per second, the time split, peak RSS, mean completion
+length; and ours/TRL ratios: the median (and quartiles) of the per-iteration ratios, the ratio of
+medians, and the median of the per-run ratios. Results go to ``benchmarks/results/<name>.json``.
 
 Both sides: random-init Llama + character tokenizer saved to a directory (TRL reloads its reference
 model from that path), the arithmetic prompts rendered by our chat template, the same reward
@@ -22,11 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -60,7 +64,8 @@ def summarize(per_iter: list[dict], warmup: int) -> dict:
            "mean_completion_len": tokens / sum(r["completions"] for r in kept),
            "split_s": {k: med(k) for k in ("generate", "reward", "ref_old_logp", "fwd_bwd_step")},
            "iters_measured": len(kept), "iters_warmup": len(per_iter) - len(kept),
-           "all_s_per_iter": [round(r["total"], 4) for r in per_iter]}
+           "all_s_per_iter": [round(r["total"], 4) for r in per_iter],
+           "iter_wall": [r["wall"] for r in per_iter if "wall" in r]}  # [start, end] Unix times: the lockstep
     return out
 
 
@@ -93,7 +98,9 @@ def disable_levers(names: list[str]) -> None:
             rollout.SCORE_CALL_COST = float("inf")
 
 
-def run_ours(spec: dict, model_dir: str, iters: int, warmup: int) -> list[dict]:
+def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emit=None) -> list[dict]:
+    """Our trainer's iterations; ``gate()`` (if given) is called before each one and ``emit(row)``
+    after it (the lockstep protocol of ``run_lockstep``)."""
     import torch
 
     from grpo_core import dist
@@ -110,18 +117,23 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int) -> list[dict]:
     trainer = Trainer(cfg, dist.init())
     rows = []
     for it in range(1, iters + warmup + 1):  # the body of Trainer.run without checkpoints / eval
+        if gate:
+            gate()
         trainer.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
         torch.manual_seed(iteration_seed(cfg.seed, it, 0))
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, w0 = time.perf_counter(), time.process_time(), time.time()
         batch, roll = trainer.rollout()
         upd = trainer.update(batch)
         m = trainer._metrics(it, batch, roll, upd, time.perf_counter() - t0)
         total = time.perf_counter() - t0
         t = trainer.timings
-        rows.append({"total": total, "cpu": time.process_time() - c0, "generate": t["time_generate"], "reward": t["time_reward"],
+        rows.append({"total": total, "cpu": time.process_time() - c0, "wall": [w0, time.time()],
+                     "generate": t["time_generate"], "reward": t["time_reward"],
                      "ref_old_logp": t["time_ref"], "fwd_bwd_step": t["time_update"] - t["time_ref"],
                      "tokens": float(batch.completion_mask.sum()), "completions": len(batch),
                      "reward_mean": m["reward"], "kl": m["kl"]})
+        if emit:
+            emit(rows[-1])
     return rows
 
 
@@ -131,14 +143,16 @@ def worker(args) -> dict:
     torch.set_num_threads(args.threads)
     spec = CONFIGS[args.config]
     t0 = time.perf_counter()
+    gate = lambda: print(READY, flush=True) or sys.stdin.readline()  # noqa: E731  (idle until "go")
+    emit = lambda row: print(ITER + json.dumps(row), flush=True)  # noqa: E731
     if args.worker.startswith("ours"):
         disable_levers(args.worker.split("-")[1:])
-        rows = run_ours(spec, args.model_dir, args.iters, args.warmup)
+        rows = run_ours(spec, args.model_dir, args.iters, args.warmup, gate, emit)
     else:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from trl_runner import run_trl
 
-        rows = run_trl(spec, COMMON, REWARD_FN, args.model_dir, args.iters, args.warmup)
+        rows = run_trl(spec, COMMON, REWARD_FN, args.model_dir, args.iters, args.warmup, gate, emit)
     res = summarize(rows, args.warmup)
     res.update(side=args.worker, config=args.config, threads=torch.get_num_threads(),
                peak_rss_mb=round(peak_rss_mb(), 1), wall_s=round(time.perf_counter() - t0, 2),
@@ -148,15 +162,66 @@ def worker(args) -> dict:
 
 # ----------------------------------------------------------------------------- the parent: ABAB
 
-def run_side(side: str, config: str, model_dir: Path, args) -> dict:
-    cmd = [sys.executable, __file__, "--worker", side, "--config", config, "--model-dir", str(model_dir),
-           "--iters", str(args.iters), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+READY, ITER, RESULT = "READY", "ITER ", "RESULT "  # tags of the worker's stdout lines (others are ignored)
+
+
+def _lines(proc, out: queue.Queue) -> None:
+    for line in proc.stdout:
+        out.put(line)
+    out.put(None)  # EOF: the worker exited
+
+
+def _next_tagged(side: str, lines: queue.Queue, tag: str, timeout: float, err) -> str:
+    while True:
+        try:
+            line = lines.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"{side}: no {tag.strip()} line within {timeout} s") from None
+        if line is None:
+            err.seek(0)
+            raise RuntimeError(f"{side} exited before its {tag.strip()} line:\n{err.read()[-4000:]}")
+        if line.startswith(tag):
+            return line[len(tag):]
+
+
+def run_lockstep(sides: list[str], config: str, model_dir: Path, args) -> dict[str, dict]:
+    """One run of every side, in lockstep: one worker process per side (so peak RSS is that side's
+    alone), all started, then iteration i of each side in turn (A B, then B A, ...), each waiting
+    while the others run. Iteration i of ours and of TRL are seconds apart, so the per-iteration
+    pairs see the same machine; this machine's speed drifts by +-25% between runs a minute apart.
+    """
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=args.timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{side}/{config} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    procs = {}
+    try:
+        for side in sides:
+            cmd = [sys.executable, __file__, "--worker", side, "--config", config, "--model-dir", str(model_dir),
+                   "--iters", str(args.iters), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+            err = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty worker never blocks on it
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                    env=env, cwd=ROOT)
+            lines = queue.Queue()
+            threading.Thread(target=_lines, args=(proc, lines), daemon=True).start()
+            procs[side] = (proc, lines, err)
+        for side, (_, lines, err) in procs.items():  # every worker loaded and idle before the first iteration
+            _next_tagged(side, lines, READY, args.timeout, err)
+        n = args.iters + args.warmup
+        for it in range(n):
+            for side in (sides if it % 2 == 0 else sides[::-1]):
+                proc, lines, err = procs[side]
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+                _next_tagged(side, lines, ITER, args.timeout, err)
+                if it < n - 1:  # and idle again (its between-iteration work done) before the next side goes
+                    _next_tagged(side, lines, READY, args.timeout, err)
+        return {side: json.loads(_next_tagged(side, lines, RESULT, args.timeout, err))
+                for side, (_, lines, err) in procs.items()}
+    finally:
+        for proc, _, err in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            err.close()
 
 
 def compare(runs: dict[str, list[dict]]) -> dict:
@@ -174,12 +239,22 @@ def compare(runs: dict[str, list[dict]]) -> dict:
     for side in runs:
         if base and side != base:  # paired ratios: run i of this side against run i of the baseline
             pairs = [a["s_per_iter"] / b["s_per_iter"] for a, b in zip(runs[side], runs[base])]
+            # and iteration i of this side against iteration i of the baseline (run in lockstep)
+            iters = [x / y for a, b in zip(runs[side], runs[base])
+                     for x, y in zip(a["all_s_per_iter"][a["iters_warmup"]:], b["all_s_per_iter"][b["iters_warmup"]:])]
             out[side].update(ratio_vs_trl=out[side]["s_per_iter"] / out[base]["s_per_iter"],
                              ratio_vs_trl_pairs_median=statistics.median(pairs),
                              ratio_vs_trl_pairs=[round(p, 3) for p in pairs],
+                             ratio_vs_trl_iter_pairs_median=statistics.median(iters),
+                             ratio_vs_trl_iter_pairs_iqr=[round(q, 3) for q in _quartiles(iters)],
                              cpu_ratio_vs_trl=out[side]["cpu_s_per_iter"] / out[base]["cpu_s_per_iter"],
                              rss_ratio_vs_trl=out[side]["peak_rss_mb"] / out[base]["peak_rss_mb"])
     return out
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return q[0], q[2]
 
 
 def cpu_model() -> dict:
@@ -236,7 +311,7 @@ def main(argv=None) -> dict:
         print(markdown_table(json.loads(Path(args.table).read_text())))
         return {}
     if args.worker:
-        print(json.dumps(worker(args)), flush=True)
+        print(RESULT + json.dumps(worker(args)), flush=True)
         return {}
     if args.quick:
         args.configs, args.sides, args.iters, args.warmup, args.repeats = "quick", "ours", 2, 1, 1
@@ -251,8 +326,9 @@ def main(argv=None) -> dict:
             model_dir = build_model_dir(CONFIGS[name], Path(tmp) / name)
             runs = {s: [] for s in sides}
             for r in range(args.repeats):
+                results = run_lockstep(sides, name, model_dir, args)
                 for side in sides:
-                    res = run_side(side, name, model_dir, args)
+                    res = results[side]
                     runs[side].append(res)
                     print(f"[{name} #{r + 1}] {side:10s} {res['s_per_iter']:.4f} s/iter "
                           f"(cpu {res['cpu_s_per_iter']:.4f}) "
@@ -270,13 +346,16 @@ def main(argv=None) -> dict:
 def markdown_table(report: dict) -> str:
     """The NOTES.md results table: one row per config and side."""
     lines = ["| config | side | median s/iter | CPU s/iter | tokens/s | peak RSS MB | mean len | s/iter vs TRL "
-             "(of medians; median of pairs) | CPU vs TRL | RSS vs TRL |", "|" + "---|" * 10]
+             "(median of iteration pairs [IQR]; of medians; median of run pairs) | CPU vs TRL | RSS vs TRL |",
+             "|" + "---|" * 10]
     for name, c in report["configs"].items():
         for side, v in c["summary"].items():
             if not isinstance(v, dict):  # files written before per-side ratios keep them at this level
                 continue
             f = lambda k, spec=".2f": format(v[k], spec) if k in v else "-"  # noqa: E731  (older files lack cpu)
-            r = (f"{f('ratio_vs_trl')}; {f('ratio_vs_trl_pairs_median')} | {f('cpu_ratio_vs_trl')} | "
+            iqr = "[{:.2f}, {:.2f}]; ".format(*v["ratio_vs_trl_iter_pairs_iqr"]) if "ratio_vs_trl_iter_pairs_iqr" in v else ""
+            r = (f"{f('ratio_vs_trl_iter_pairs_median')} {iqr}{f('ratio_vs_trl')}; {f('ratio_vs_trl_pairs_median')} | "
+                 f"{f('cpu_ratio_vs_trl')} | "
                  f"{f('rss_ratio_vs_trl')}") if "ratio_vs_trl" in v else "- | - | -"
             lines.append(f"| {name} | {side} | {v['s_per_iter']:.3f} | {f('cpu_s_per_iter', '.3f')} | "
                          f"{v['tokens_per_s']:.0f} | {v['peak_rss_mb']:.0f} | {v['mean_completion_len']:.1f} | {r} |")
@@ -289,7 +368,8 @@ def fmt_split(split: dict) -> str:
 
 def print_summary(name: str, summary: dict) -> None:
     for side, v in summary.items():
-        ratio = (f"  ratio vs TRL {v['ratio_vs_trl']:.3f} (pairs median {v['ratio_vs_trl_pairs_median']:.3f}, "
+        ratio = (f"  ratio vs TRL {v['ratio_vs_trl']:.3f} (iteration pairs median "
+                 f"{v['ratio_vs_trl_iter_pairs_median']:.3f}, run pairs median {v['ratio_vs_trl_pairs_median']:.3f}, "
                  f"cpu {v['cpu_ratio_vs_trl']:.3f}, rss {v['rss_ratio_vs_trl']:.2f})") if "ratio_vs_trl" in v else ""
         print(f"== {name} {side:10s} median {v['s_per_iter']:.4f} s/iter  {v['tokens_per_s']:.0f} tok/s  "
               f"rss {v['peak_rss_mb']:.0f} MB  len {v['mean_completion_len']:.1f}{ratio}", flush=True)

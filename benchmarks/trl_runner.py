@@ -49,7 +49,10 @@ def _dataset(model_dir: str, n: int):
     return Dataset.from_dict({"prompt": (prompts * reps)[:n]}), tok
 
 
-def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int, warmup: int) -> list[dict]:
+def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int, warmup: int,
+            gate=None, emit=None) -> list[dict]:
+    """TRL's steps; ``gate()`` (if given) runs before each step's timer starts and ``emit(row)`` after
+    the step (bench_grpo's lockstep protocol)."""
     import torch
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -94,19 +97,24 @@ def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *_, **__):
+            if gate:
+                gate()
             for k in acc:
                 acc[k] = 0.0
             lengths.clear()
-            self.t0, self.c0 = time.perf_counter(), time.process_time()
+            self.t0, self.c0, self.w0 = time.perf_counter(), time.process_time(), time.time()
 
         def on_step_end(self, *_, **__):
             total = time.perf_counter() - self.t0
             rest = total - sum(acc.values())
             m = trainer._metrics["train"]
-            rows.append({"total": total, "cpu": time.process_time() - self.c0, **acc, "fwd_bwd_step": rest,
+            rows.append({"total": total, "cpu": time.process_time() - self.c0, "wall": [self.w0, time.time()],
+                         **acc, "fwd_bwd_step": rest,
                          "tokens": float(sum(lengths)),
                          "completions": len(lengths), "reward_mean": _last(m, "reward"),
                          "kl": _last(m, "kl")})
+            if emit:
+                emit(rows[-1])
 
     trainer.add_callback(StepTimer())
     torch.manual_seed(common["seed"])

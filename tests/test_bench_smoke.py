@@ -20,6 +20,20 @@ def test_summary_and_paired_ratios_from_synthetic_runs():
     out = bench_grpo.compare(runs)
     assert out["ours"]["ratio_vs_trl"] == 0.5 and out["ours"]["rss_ratio_vs_trl"] == 0.5
     assert "ratio_vs_trl" not in out["trl"]
+    # iteration pairs: ours (1, 2, 3) against TRL (1, 2, 3) x (4, 1, 0.5) after the warm-up one
+    trl = dict(s, all_s_per_iter=[9.0, 4.0, 2.0, 1.5], peak_rss_mb=200.0)
+    out = bench_grpo.compare({"ours": [dict(s, peak_rss_mb=100.0)], "trl": [trl]})
+    assert out["ours"]["ratio_vs_trl_iter_pairs_median"] == 1.0  # median of 0.25, 1.0, 2.0
+
+
+def test_sides_run_in_lockstep(tmp_path):
+    """Two workers, one iteration at a time: no two iterations overlap, and the order is A B B A A B."""
+    report = bench_grpo.main(["--configs", "quick", "--sides", "ours,ours-score", "--iters", "2", "--warmup", "1",
+                              "--repeats", "1", "--out-dir", str(tmp_path)])
+    runs = report["configs"]["quick"]["runs"]
+    spans = sorted((t0, t1, side) for side in runs for t0, t1 in runs[side][0]["iter_wall"])
+    assert len(spans) == 6 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    assert [side for *_, side in spans] == ["ours", "ours-score", "ours-score", "ours", "ours", "ours-score"]
 
 
 def test_our_side_runs_the_trainer_iteration(tmp_path):
