@@ -324,11 +324,11 @@ def groups_share_prompts(batch: RolloutBatch) -> bool:
     return bool((ids == ids[:, :1]).all() and (mask == mask[:, :1]).all())
 
 
-# One more model call costs about as much as scoring this many more positions: measured ~1.6 ms per
-# forward call and ~3 ms per forward+backward against 9 / 28 us per position (2-layer hidden-64 Llama,
-# one CPU thread). Larger models make positions dearer and calls relatively cheaper, so this errs
-# towards fewer chunks there.
-SCORE_CALL_COST = 96
+# One more scoring call (reference forward + policy forward and backward) costs about as much as
+# this many more positions: measured 1.7 + 2.8 ms per call against 10 + 29 us per position (2-layer
+# hidden-64 Llama, one CPU thread: ~115). Larger models make positions dearer and calls relatively
+# cheaper, so this errs towards fewer chunks there.
+SCORE_CALL_COST = 128
 
 
 def length_chunks(lengths: list[int], call_cost: float | None = None) -> list[list[int]]:
