@@ -361,8 +361,8 @@ def length_chunks(lengths: list[int], call_cost: float | None = None) -> list[li
 
 
 def _shared_prefix_logits(model, batch: RolloutBatch, device):
-    """Completion-position logits in pieces: [(rows [b], logits [b, L, V])], L = the piece's
-    longest completion (EOS included); each prompt run once, its KV cache shared by its G rows.
+    """Completion-position logits in pieces: [(rows [b] or None for all rows, logits [b, L, V])], L =
+    the piece's longest completion (EOS included); each prompt run once, its KV cache shared by its G rows.
 
     The cache keeps its autograd graph, so gradients reach the prompt positions as in a full
     forward. Same positions and mask as ``_forward_inputs``, so the logits at every position up
@@ -376,18 +376,22 @@ def _shared_prefix_logits(model, batch: RolloutBatch, device):
     first = out.logits[:, -1:].repeat_interleave(G, 0)                                 # [B, 1, V]
     _, attn, pos = _forward_inputs(batch, device)
     lengths = batch.completion_mask.sum(-1).clamp(min=1).tolist()
-    pieces = []
-    for chunk in length_chunks(lengths):
-        rows, L = torch.tensor(chunk, device=device), max(lengths[i] for i in chunk)  # [b]
-        if L == 1:
-            pieces.append((rows, first[rows]))
-            continue
-        cache = type(prefix)(config=model.config)
-        for i, layer in enumerate(prefix.layers):
-            cache.update(layer.keys[rows], layer.values[rows], i)
-        rest = model(input_ids=batch.completion_ids[chunk, :L - 1].to(device), attention_mask=attn[rows, :P + L - 1],
-                     position_ids=pos[rows, P:P + L - 1], use_cache=True, **{_cache_kwarg(model): cache}).logits
-        pieces.append((rows, torch.cat([first[rows], rest], 1)))                        # [b, L, V]
+    chunks, pieces = length_chunks(lengths), []
+    for chunk in chunks:
+        L = max(lengths[i] for i in chunk)
+        if len(chunks) == 1:  # every row, in batch order: nothing to pick
+            rows, pick, cache = None, slice(None), prefix
+        else:
+            rows = pick = torch.tensor(sorted(chunk), device=device)                   # [b]
+            cache = type(prefix)(config=model.config)
+            for i, layer in enumerate(prefix.layers):
+                cache.update(layer.keys[pick], layer.values[pick], i)
+        logits = first[pick]                                                           # [b, 1, V]
+        if L > 1:
+            rest = model(input_ids=batch.completion_ids[pick, :L - 1].to(device), attention_mask=attn[pick, :P + L - 1],
+                         position_ids=pos[pick, P:P + L - 1], use_cache=True, **{_cache_kwarg(model): cache}).logits
+            logits = torch.cat([logits, rest], 1)                                      # [b, L, V]
+        pieces.append((rows, logits))
     return pieces
 
 
@@ -421,20 +425,20 @@ def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_ent
     if ddp and isinstance(model.module, CompletionScorer):
         return model(batch, temperature, with_entropy)
     device = next(model.parameters()).device
-    (B, T), targets = batch.completion_ids.shape, batch.completion_ids.to(device)
+    T, targets = batch.completion_ids.shape[1], batch.completion_ids.to(device)
     if groups_share_prompts(batch) and not ddp:
         pieces = _shared_prefix_logits(model, batch, device)                           # [(rows, [b, L, V])]
     else:
         ids, attn, pos = _forward_inputs(batch, device)
-        pieces = [(torch.arange(B, device=device), model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                   logits_to_keep=T + 1, use_cache=False).logits[:, :-1])]             # [B, T, V]
-    logp, ent, rows = [], [], []
-    for r, logits in pieces:
-        pad = (0, T - logits.shape[1])
-        logp.append(F.pad(token_logprobs(logits, targets[r, :logits.shape[1]], temperature), pad))
+        pieces = [(None, model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                               logits_to_keep=T + 1, use_cache=False).logits[:, :-1])]  # [B, T, V]
+    logp, ent = [], []
+    for rows, logits in pieces:
+        pad, pick = (0, T - logits.shape[1]), slice(None) if rows is None else rows
+        logp.append(F.pad(token_logprobs(logits, targets[pick, :logits.shape[1]], temperature), pad))
         if with_entropy:
             ent.append(F.pad(token_entropy(logits.detach(), temperature), pad))
-        rows.append(r)
-    order = torch.cat(rows).argsort()                                                  # back to batch order
-    logp = torch.cat(logp)[order]                                                      # [B, T]
-    return logp, (torch.cat(ent)[order] if with_entropy else None)
+    if len(pieces) == 1:
+        return logp[0], (ent[0] if with_entropy else None)
+    order = torch.cat([rows for rows, _ in pieces]).argsort()                          # back to batch order
+    return torch.cat(logp)[order], (torch.cat(ent)[order] if with_entropy else None)   # [B, T]
