@@ -28,8 +28,13 @@ def test_summary_and_paired_ratios_from_synthetic_runs():
 
 def test_sides_run_in_lockstep(tmp_path):
     """Two workers, one iteration at a time: no two iterations overlap, and the order is A B B A A B."""
+    import os
+
+    before = os.sched_getaffinity(0)
     report = bench_grpo.main(["--configs", "quick", "--sides", "ours,ours-score", "--iters", "2", "--warmup", "1",
                               "--repeats", "1", "--out-dir", str(tmp_path)])
+    assert os.sched_getaffinity(0) == before  # the parent's own pinning is undone
+    assert report["worker_cpus"] == str(max(before))  # every side on the same CPU (1 thread)
     runs = report["configs"]["quick"]["runs"]
     spans = sorted((t0, t1, side) for side in runs for t0, t1 in runs[side][0]["iter_wall"])
     assert len(spans) == 6 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
