@@ -156,14 +156,16 @@ def worker(args) -> dict:
         from trl_runner import run_trl
 
         rows = run_trl(spec, COMMON, REWARD_FN, args.model_dir, args.iters, args.warmup, gate, emit)
+    gate()  # idle until every side has run its last iteration: wrapping up must not share their CPU
+    released = time.time()
     res = summarize(rows, args.warmup)
     res.update(side=args.worker, config=args.config, threads=torch.get_num_threads(),
                peak_rss_mb=round(peak_rss_mb(), 1), wall_s=round(time.perf_counter() - t0, 2),
-               final_reward=rows[-1].get("reward_mean"), final_kl=rows[-1].get("kl"))
+               final_reward=rows[-1].get("reward_mean"), final_kl=rows[-1].get("kl"), released_at=released)
     return res
 
 
-# ----------------------------------------------------------------------------- the parent: ABAB
+# ----------------------------------------------------------------------------- the parent: lockstep
 
 READY, ITER, RESULT = "READY", "ITER ", "RESULT "  # tags of the worker's stdout lines (others are ignored)
 
@@ -216,8 +218,10 @@ def run_lockstep(sides: list[str], config: str, model_dir: Path, args) -> dict[s
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
                 _next_tagged(side, lines, ITER, args.timeout, err)
-                if it < n - 1:  # and idle again (its between-iteration work done) before the next side goes
-                    _next_tagged(side, lines, READY, args.timeout, err)
+                _next_tagged(side, lines, READY, args.timeout, err)  # idle again before the next side goes
+        for proc, _, _ in procs.values():  # all done: let every worker wrap up and report
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
         return {side: json.loads(_next_tagged(side, lines, RESULT, args.timeout, err))
                 for side, (_, lines, err) in procs.items()}
     finally:

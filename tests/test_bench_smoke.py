@@ -39,6 +39,8 @@ def test_sides_run_in_lockstep(tmp_path):
     spans = sorted((t0, t1, side) for side in runs for t0, t1 in runs[side][0]["iter_wall"])
     assert len(spans) == 6 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
     assert [side for *_, side in spans] == ["ours", "ours-score", "ours-score", "ours", "ours", "ours-score"]
+    # no worker wraps up (summary, exit) while another side's last iteration runs on the shared CPU
+    assert min(runs[side][0]["released_at"] for side in runs) >= spans[-1][1]
 
 
 def test_our_side_runs_the_trainer_iteration(tmp_path):
