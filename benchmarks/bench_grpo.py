@@ -300,7 +300,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="ref,h128,t64,g16", help=f"comma list of {sorted(CONFIGS)}")
     p.add_argument("--sides", default="ours,trl",
-                   help="comma list run in turn (ABAB...): ours, trl, or ours-<lever>[-<lever>] to switch "
+                   help="comma list run in lockstep: ours, trl, or ours-<lever>[-<lever>] to switch "
                         f"levers off: {', '.join(f'{k} = {v}' for k, v in LEVERS.items())}")
     p.add_argument("--iters", type=int, default=8, help="measured iterations per run")
     p.add_argument("--warmup", type=int, default=2, help="iterations per run excluded from the timing")
