@@ -389,7 +389,8 @@ def markdown_table(report: dict) -> str:
             if not isinstance(v, dict):  # files written before per-side ratios keep them at this level
                 continue
             f = lambda k, spec=".2f": format(v[k], spec) if k in v else "-"  # noqa: E731  (older files lack cpu)
-            iqr = "[{:.2f}, {:.2f}]; ".format(*v["ratio_vs_trl_iter_pairs_iqr"]) if "ratio_vs_trl_iter_pairs_iqr" in v else ""
+            q = v.get("ratio_vs_trl_iter_pairs_iqr")  # files before session 4 lack it
+            iqr = "[{:.2f}, {:.2f}]; ".format(*q) if q else ""
             r = (f"{f('ratio_vs_trl_iter_pairs_median')} {iqr}{f('ratio_vs_trl')}; {f('ratio_vs_trl_pairs_median')} | "
                  f"{f('cpu_ratio_vs_trl')} | "
                  f"{f('rss_ratio_vs_trl')}") if "ratio_vs_trl" in v else "- | - | -"

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 SCALES = ("group", "batch", "none")
 TASKS = ("arithmetic", "gsm8k")
+SAMPLERS = ("inverse_cdf", "multinomial")
 GATE_METRICS = ("eval_accuracy", "informative_frac", "reward")
 METRICS_FILE = "metrics.jsonl"  # in a stage's output_dir: one JSON line per iteration (trainer writes, pipeline reads)
 DEFAULT_REWARDS = ({"fn": "grpo_core.rewards:gsm8k_correctness", "weight": 1.0},)
@@ -145,6 +146,10 @@ class GRPOConfig:
     """Nucleus filter; keep 1.0 so sampling matches the full-softmax log-probs."""
     top_k: int = 0
     """Top-k filter; 0 disables it (transformers' default of 50 would bias the loss)."""
+    sampler: str = "inverse_cdf"
+    """How the shared-prefix decoder draws a token: inverse_cdf (one uniform number per row, the
+    faster) | multinomial (torch.multinomial, generate's: the same tokens as generate for a seed).
+    Both draw from the same distribution; models on the generate fallback always use multinomial."""
     max_new_tokens: int = 32
     """Completion length cap; completions that hit it count as truncated."""
     max_prompt_tokens: int = 512
@@ -193,6 +198,7 @@ class GRPOConfig:
         _choice(self.task, TASKS, f"{w}.task")
         _choice(self.loss_type, LOSS_TYPES, f"{w}.loss_type")
         _choice(self.scale, SCALES, f"{w}.scale")
+        _choice(self.sampler, SAMPLERS, f"{w}.sampler")
         _require(self.group_size >= 2, f"{w}.group_size", f"{self.group_size} < 2: a group needs at least "
                  "two samples for a baseline; set group_size >= 2")
         for name in ("prompts_per_iter", "iterations", "mu", "max_new_tokens", "save_every",

@@ -264,7 +264,8 @@ def summary_table(results: list[dict], curriculum: dict, gsm8k: dict, registry: 
                   f"iterations; change {trend['diff']:+.3f}, 95% CI [{trend['ci_low']:+.3f}, {trend['ci_high']:+.3f}])"
                   if trend else "no iterations run")
         lines.append(f"{name} GRPO: {st['iterations_run']} iterations, {change}, informative "
-                     f"{last.get('informative_frac', 0):.2f}" + (" (promotion gate)" if st.get("promoted_by_gate") else ""))
+                     f"{last.get('informative_frac', 0):.2f}"
+                     + (" (promotion gate)" if st.get("promoted_by_gate") else ""))
     lines.append(f"registry: {registry.get('model_name')} v{registry.get('version')} -> {registry.get('decision')} "
                  f"(p={registry.get('p_value')}, {registry.get('compared_items')} items)")
     return "\n".join(lines)

@@ -57,11 +57,11 @@ def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> tuple[torch.Te
 
 def generate_rollouts(model, tok, rows: list[dict], group_size: int, *, temperature: float,
                       top_p: float, top_k: int, max_new_tokens: int, max_prompt_tokens: int,
-                      greedy: bool = False, engine: str = "auto") -> RolloutBatch:
+                      greedy: bool = False, engine: str = "auto", sampler: str = "inverse_cdf") -> RolloutBatch:
     """Sample ``group_size`` completions for each row (group-contiguous).
 
     engine: "auto" (the shared-prefix decoder where ``fast_decode_supported``, else generate),
-    "fast" (insist on it) or "generate".
+    "fast" (insist on it) or "generate". sampler: the decoder's (``sample_shared_prefix``).
     """
     if engine not in ("auto", "fast", "generate"):
         raise ValueError(f"engine must be 'auto', 'fast' or 'generate', got {engine!r}")
@@ -72,7 +72,7 @@ def generate_rollouts(model, tok, rows: list[dict], group_size: int, *, temperat
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
     if fast:
         comp = sample_shared_prefix(model, ids, mask, group_size, max_new_tokens=max_new_tokens,
-                                    eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, **sampling)
+                                    eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, sampler=sampler, **sampling)
     else:
         comp = _generate(model, ids, mask, group_size, max_new_tokens, tok.eos_token_id, tok.pad_token_id,
                          **sampling)

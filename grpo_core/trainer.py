@@ -124,7 +124,7 @@ class Trainer:
         self.state["data_position"] += n_prompts
         batch = generate_rollouts(self.model, self.tok, rows, c.group_size, temperature=c.temperature,
                                   top_p=c.top_p, top_k=c.top_k, max_new_tokens=c.max_new_tokens,
-                                  max_prompt_tokens=c.max_prompt_tokens)
+                                  max_prompt_tokens=c.max_prompt_tokens, sampler=c.sampler)
         t0 = time.perf_counter()
         cols = {k: v for k, v in batch.columns.items() if k not in ("id", "think")}
         total, self.last_breakdown = combine_rewards(self.rewards, batch.prompts, batch.completions, cols)

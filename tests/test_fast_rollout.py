@@ -219,6 +219,26 @@ def test_same_seed_samples_the_same_tokens_as_generate(temperature):
     assert torch.equal(fast, ref)
 
 
+def test_generate_rollouts_passes_the_sampler_to_the_decoder():
+    """generate_rollouts(sampler=...) (the stage config's ``sampler``) reaches the decoder: the same
+    seed gives the decoder's own draws for each sampler, and the two samplers draw differently."""
+    model, tok = _model()
+    ids, mask = _prompts(tok)
+    rows = [{"prompt": p, "id": str(i)} for i, p in enumerate(PROMPTS)]
+    kw = dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=10, max_prompt_tokens=256, engine="fast")
+    out = {}
+    for sampler in ("inverse_cdf", "multinomial"):
+        torch.manual_seed(3)
+        batch = generate_rollouts(model, tok, rows, 4, sampler=sampler, **kw)
+        torch.manual_seed(3)
+        direct = sample_shared_prefix(model, ids, mask, 4, max_new_tokens=10, eos_id=tok.eos_token_id,
+                                      pad_id=tok.pad_token_id, sampler=sampler)
+        cmask, _ = completion_mask(direct.clone(), tok.eos_token_id)
+        assert torch.equal(batch.completion_ids, direct.masked_fill(~cmask, tok.pad_token_id)), sampler
+        out[sampler] = batch.completion_ids
+    assert not torch.equal(out["inverse_cdf"], out["multinomial"])
+
+
 def _frequent_token(model, tok, ids, mask, G):
     """A token the model samples often, to stand in for EOS so that many rows stop early."""
     torch.manual_seed(0)

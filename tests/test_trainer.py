@@ -114,6 +114,7 @@ def test_torchrun_batch_scale_uses_the_std_over_all_ranks(tiny, tmp_path):
     ("loss_type=ppo", "loss_type.*grpo, bnpo, dapo, dr_grpo"), ("grop_size=4", "Did you mean 'group_size'"),
     ("lr=\"fast\"", "stage.lr"), ("gate_metric=\"eval_accuracy\"", "eval_every"),
     ("rewards=[{\"func\": \"x\"}]", "rewards\\[0\\]"),
+    ("sampler=\"gumbel\"", "sampler.*inverse_cdf, multinomial"),
 ])
 def test_bad_stage_config_names_the_field(override, match):
     with pytest.raises(ConfigError, match=match):
