@@ -142,7 +142,7 @@ def worker(args) -> dict:
     import torch
 
     if args.cpus:
-        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+        os.sched_setaffinity(0, _cpu_set(args.cpus))
     torch.set_num_threads(args.threads)
     spec = CONFIGS[args.config]
     t0 = time.perf_counter()
@@ -168,6 +168,15 @@ def worker(args) -> dict:
 # ----------------------------------------------------------------------------- the parent: lockstep
 
 READY, ITER, RESULT = "READY", "ITER ", "RESULT "  # tags of the worker's stdout lines (others are ignored)
+
+
+def _cpu_set(cpus: str) -> set[int]:
+    return {int(c) for c in cpus.split(",")}
+
+
+def _go(proc) -> None:
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
 
 
 def _lines(proc, out: queue.Queue) -> None:
@@ -215,13 +224,11 @@ def run_lockstep(sides: list[str], config: str, model_dir: Path, args) -> dict[s
         for it in range(n):
             for side in (sides if it % 2 == 0 else sides[::-1]):
                 proc, lines, err = procs[side]
-                proc.stdin.write("go\n")
-                proc.stdin.flush()
+                _go(proc)
                 _next_tagged(side, lines, ITER, args.timeout, err)
                 _next_tagged(side, lines, READY, args.timeout, err)  # idle again before the next side goes
         for proc, _, _ in procs.values():  # all done: let every worker wrap up and report
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
+            _go(proc)
         return {side: json.loads(_next_tagged(side, lines, RESULT, args.timeout, err))
                 for side, (_, lines, err) in procs.items()}
     finally:
@@ -335,7 +342,7 @@ def main(argv=None) -> dict:
         args.cpus = ",".join(map(str, pin_cpus(sorted(parent_cpus), args.threads)))
     try:
         if args.cpus and len(parent_cpus) > args.threads:  # the parent and its reader threads off the workers' CPUs
-            os.sched_setaffinity(0, parent_cpus - {int(c) for c in args.cpus.split(",")})
+            os.sched_setaffinity(0, parent_cpus - _cpu_set(args.cpus))
         return _run(args, sides)
     finally:
         if parent_cpus:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_core.algorithm import token_entropy, token_logprobs
+from grpo_core.config import SAMPLERS
 from grpo_core.types import RolloutBatch
 
 
@@ -257,8 +258,8 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
     exponential number per vocabulary entry, ~0.15 ms a step at 64 x 108 on one CPU thread; the
     same tokens as generate for the same seed).
     """
-    if sampler not in ("inverse_cdf", "multinomial"):
-        raise ValueError(f"sampler must be 'inverse_cdf' or 'multinomial', got {sampler!r}")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     G, T = group_size, max_new_tokens
     (N, P), dev = ids.shape, ids.device
     B = N * G
