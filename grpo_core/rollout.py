@@ -17,8 +17,8 @@ computed, never a [B, P+T, V] tensor.
 """
 from __future__ import annotations
 
+import functools
 import inspect
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -128,8 +128,15 @@ def fast_decode_supported(model) -> bool:
 
 
 def _cache_kwarg(model) -> str:
-    """transformers 5.x renamed ``past_key_values`` to ``cache``; accept either."""
-    params = inspect.signature(model.forward).parameters
+    """transformers 5.x renamed ``past_key_values`` to ``cache``; accept either (looked up once
+    per forward function: ``inspect.signature`` costs ~0.15 ms, and scoring calls the model ~8 times a step)."""
+    forward = model.forward
+    return _forward_cache_kwarg(getattr(forward, "__func__", forward))  # the function, not a fresh bound method
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_cache_kwarg(forward) -> str:
+    params = inspect.signature(forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
@@ -176,62 +183,108 @@ def sample_inverse_cdf(probs):
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)  # [b]
 
 
-def _rms_norm(x, norm):
-    """transformers' Llama/Qwen2 RMSNorm, op for op (float32 statistics, weight applied last)."""
-    dtype, x = x.dtype, x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * x.to(dtype)
+def _rms_norm(x, weight, eps: float):
+    """transformers' Llama/Qwen2 RMSNorm (float32 statistics, weight applied last) in one fused op;
+    ``F.rms_norm`` is bitwise equal to its x * rsqrt(mean(x^2) + eps) on CPU."""
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
-def _single_query_attention(q, keys, values, attend, scale: float):
-    """softmax(q K^T * scale, masked) V for one new token per row: two batched GEMVs.
+def _single_query_attention(q, keys_t, values, bias, scale: float):
+    """softmax(q K^T * scale + bias) V for one new token per row: two batched GEMVs.
 
+    q [b, rep, D], keys_t [b, D, L] (keys stored transposed: the GEMV reads them in order),
+    values [b, L, D], bias [b, 1, L] (0, or -inf at prompt padding); b = rows x KV heads.
     SDPA's CPU flash kernel is built for many queries; with one query per row it cost ~0.7 ms
-    per call here (a quarter of decoding), this ~0.15 ms. Same math, float32 throughout; the
-    values differ from SDPA's only by summation order (~1e-7).
+    per call here (a quarter of decoding). Same math; the values differ from SDPA's only by
+    summation order (~1e-7).
     """
-    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)              # [B, nkv, rep, L]
-    scores.masked_fill_(~attend, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), values)                 # [B, nkv, rep, D]
+    scores = torch.baddbmm(bias, q, keys_t, alpha=scale)                      # [b, rep, L]
+    return torch.bmm(torch.softmax(scores, dim=-1), values)                   # [b, rep, D]
+
+
+def _signed_sin(sin):
+    """sin [..., D] with its first half negated: rotate_half(x) * sin == roll(x, D/2) * _signed_sin(sin)."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], -1)
 
 
 class _Stepper:
-    """One decode step through the model's own weights and ops, minus the module-call overhead."""
+    """Decode state of B rows and one step through the model's own weights and ops, minus the
+    module-call overhead.
 
-    def __init__(self, model, max_len: int):
+    K/V live in preallocated buffers of P + T slots per row: keys transposed [B, nkv, D, P+T],
+    values [B, nkv, P+T, D]. Step t writes slot P + t and attends over slots [0, P + t] only
+    (unwritten slots are never read, so the buffers need no clearing), with an additive bias
+    [B, nkv, 1, P+T] that is -inf at left padding, written once. With the default rotary
+    embedding, cos/sin of every row's T positions are computed once [B, T, D]; scaled variants
+    (whose frequencies may depend on the positions seen) get the model's own cos/sin each step.
+    """
+
+    def __init__(self, model, cache, mask, group_size: int, max_new_tokens: int):
+        """cache: the prefill's DynamicCache of the N prompts [N, nkv, P, D]; mask [N, P]."""
         self.model, self.inner = model, model.model
         attn = self.inner.layers[0].self_attn
-        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        self.lin = [[(m.weight, m.bias) for m in (l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj,
-                     l.self_attn.o_proj, l.mlp.gate_proj, l.mlp.up_proj, l.mlp.down_proj)] for l in self.inner.layers]
+        lin = lambda m: (m.weight, m.bias)  # noqa: E731
+        self.layers = [(l.input_layernorm.weight, l.input_layernorm.variance_epsilon,
+                        lin(l.self_attn.q_proj), lin(l.self_attn.k_proj), lin(l.self_attn.v_proj),
+                        lin(l.self_attn.o_proj), l.post_attention_layernorm.weight,
+                        l.post_attention_layernorm.variance_epsilon,
+                        lin(l.mlp.gate_proj), lin(l.mlp.up_proj), lin(l.mlp.down_proj)) for l in self.inner.layers]
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
-        self.table = None
-        if getattr(self.inner.rotary_emb, "rope_type", "default") == "default":  # cos/sin of every position, once
-            w = self.inner.embed_tokens.weight
-            self.table = self.inner.rotary_emb(w[:1, None], torch.arange(max_len, device=w.device)[None])
+        G, T, (N, P) = group_size, max_new_tokens, mask.shape
+        B, self.P = N * G, P
+        self.keys, self.values = [], []
+        for layer in cache.layers:
+            k, v = layer.keys, layer.values                                  # [N, nkv, P, D]
+            self.keys.append(k.new_empty(B, k.shape[1], k.shape[-1], P + T))   # [B, nkv, D, P+T]
+            self.keys[-1][..., :P] = k.transpose(-1, -2).repeat_interleave(G, 0)
+            self.values.append(v.new_empty(B, v.shape[1], P + T, v.shape[-1]))  # [B, nkv, P+T, D]
+            self.values[-1][:, :, :P] = v.repeat_interleave(G, 0)
+        nkv = self.keys[0].shape[1]
+        self.bias = self.keys[0].new_zeros(B, nkv, 1, P + T)                   # [B, nkv, 1, P+T]
+        self.bias[..., :P].masked_fill_(~mask.bool().repeat_interleave(G, 0)[:, None, None], float("-inf"))
+        last = mask.sum(-1).repeat_interleave(G)[:, None] - 1                  # [B, 1] last prompt position
+        self.positions = last + torch.arange(1, T + 1, device=last.device)     # [B, T] of the new tokens
+        self.rotations = None
+        if getattr(self.inner.rotary_emb, "rope_type", "default") == "default":
+            self.rotations = self._cos_sin(self.positions)                     # [B, T, D] each
 
-    def __call__(self, tokens, pos, keys, values, n: int, attend):
-        """tokens [B], pos [B, 1]; writes K/V at slot ``n`` of the buffers; returns logits [B, V] (float32)."""
-        B, D, inner = tokens.shape[0], self.head_dim, self.inner
-        h = inner.embed_tokens(tokens[:, None])                                 # [B, 1, H]
-        if self.table is not None:
-            cos, sin = self.table[0][0, pos], self.table[1][0, pos]              # [B, 1, D]
+    def _cos_sin(self, positions):
+        """cos and sign-flipped sin [B, S, D] at ``positions`` [B, S], from the model's rotary module."""
+        cos, sin = self.inner.rotary_emb(self.keys[0], positions)
+        return cos, _signed_sin(sin)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Drop every row not in ``rows`` [b] (finished ones) from the state."""
+        self.keys, self.values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
+        self.bias, self.positions = self.bias[rows], self.positions[rows]
+        if self.rotations is not None:
+            self.rotations = tuple(r[rows] for r in self.rotations)
+
+    def __call__(self, tokens, t: int):
+        """Step ``t``: tokens [B] (sampled at t) enter at slot P + t; returns logits [B, V] (float32)."""
+        B, D, inner, n = tokens.shape[0], self.head_dim, self.inner, self.P + t
+        if self.rotations is None:
+            cos, sin = self._cos_sin(self.positions[:, t:t + 1])               # [B, 1, D]
         else:
-            cos, sin = inner.rotary_emb(h, pos)
-        for layer, (q_w, k_w, v_w, o_w, g_w, u_w, d_w), kbuf, vbuf in zip(inner.layers, self.lin, keys, values):
-            x = _rms_norm(h, layer.input_layernorm)
-            q = F.linear(x, *q_w).view(B, 1, -1, D).transpose(1, 2)              # [B, nh, 1, D]
-            k = F.linear(x, *k_w).view(B, 1, -1, D).transpose(1, 2)              # [B, nkv, 1, D]
-            v = F.linear(x, *v_w).view(B, 1, -1, D).transpose(1, 2)
-            q, k = self.rope(q, k, cos, sin)
-            kbuf[:, :, n] = k[:, :, 0]
-            vbuf[:, :, n] = v[:, :, 0]
-            q = q.reshape(B, kbuf.shape[1], -1, D)  # GQA: a KV head's query heads as rows (as transformers does)
-            o = _single_query_attention(q, kbuf, vbuf, attend, self.scaling)
-            h = h + F.linear(o.reshape(B, -1, 1, D).transpose(1, 2).reshape(B, 1, -1), *o_w)
-            x = _rms_norm(h, layer.post_attention_layernorm)
+            cos, sin = self.rotations[0][:, t:t + 1], self.rotations[1][:, t:t + 1]
+        half = D // 2  # transformers' x * cos + rotate_half(x) * sin == x * cos + roll(x, D/2) * signed sin
+        h = inner.embed_tokens(tokens)                                          # [B, H]
+        for (ln1, eps1, q_w, k_w, v_w, o_w, ln2, eps2, g_w, u_w, d_w), kbuf, vbuf in zip(
+                self.layers, self.keys, self.values):
+            nkv = kbuf.shape[1]
+            x = _rms_norm(h, ln1, eps1)
+            q, k = F.linear(x, *q_w).view(B, -1, D), F.linear(x, *k_w).view(B, nkv, D)
+            q, k = q * cos + q.roll(half, -1) * sin, k * cos + k.roll(half, -1) * sin
+            kbuf[:, :, :, n] = k
+            vbuf[:, :, n] = F.linear(x, *v_w).view(B, nkv, D)
+            o = _single_query_attention(q.reshape(B * nkv, -1, D),  # GQA: a KV head's query heads as rows
+                                        kbuf[..., :n + 1].flatten(0, 1), vbuf[:, :, :n + 1].flatten(0, 1),
+                                        self.bias[..., :n + 1].flatten(0, 1), self.scaling)
+            h = h + F.linear(o.view(B, -1), *o_w)
+            x = _rms_norm(h, ln2, eps2)
             h = h + F.linear(F.silu(F.linear(x, *g_w)) * F.linear(x, *u_w), *d_w)
-        return self.model.lm_head(_rms_norm(h, inner.norm))[:, -1].float()
+        return self.model.lm_head(_rms_norm(h, inner.norm.weight, inner.norm.variance_epsilon)).float()
 
 
 @torch.inference_mode()
@@ -241,8 +294,8 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
                          sampler: str = "inverse_cdf"):
     """G completions per left-padded prompt [N, P] -> token ids [N*G, T'] (T' <= max_new_tokens).
 
-    Each prompt is prefilled once; its K/V are copied G times into buffers [B, nkv, P+T, D] that
-    the decode steps fill in place (a bool mask hides padding and unwritten slots). Finished rows
+    Each prompt is prefilled once; its K/V are copied G times into buffers of P + T slots that the
+    decode steps fill in place and attend over up to the current slot (``_Stepper``). Finished rows
     get ``pad_id``, as generate does; decoding stops once every row has emitted EOS. If
     ``step_logits`` is a list, the raw float32 logits of each step [B, V] are appended to it
     (zeros for rows no longer decoded).
@@ -265,19 +318,8 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
     B = N * G
     out, cache = _prefill(model, ids, mask)
     logits = out.logits[:, -1].float().repeat_interleave(G, 0)              # [B, V]
-    keys, values = [], []
-    for layer in cache.layers:
-        for src, dst in ((layer.keys, keys), (layer.values, values)):
-            buf = src.new_empty(B, src.shape[1], P + T, src.shape[-1])       # [B, nkv, P+T, D]
-            buf[:, :, :P] = src.repeat_interleave(G, 0)
-            if dst is values:  # unwritten key slots are masked to -inf; unwritten values must be
-                buf[:, :, P:] = 0  # finite, as 0 x NaN would poison the weighted sum
-            dst.append(buf)
+    step = _Stepper(model, cache, mask, G, T)
     del out, cache
-    attend = torch.zeros(B, 1, 1, P + T, dtype=torch.bool, device=dev)      # [B, 1, 1, P+T]
-    attend[:, 0, 0, :P] = mask.bool().repeat_interleave(G, 0)
-    pos = mask.sum(-1).repeat_interleave(G)[:, None] - 1                     # [B, 1] last prompt position
-    step = _Stepper(model, P + T)
     tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)       # [B, T]
     rows = torch.arange(B, device=dev)                                       # [b] rows still decoded
     unfinished = torch.ones(B, dtype=torch.bool, device=dev)                 # [b]
@@ -298,11 +340,9 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
             break
         if left <= compact_below * len(rows):
             keep = unfinished.nonzero().squeeze(1)
-            rows, nxt, pos, attend, unfinished = rows[keep], nxt[keep], pos[keep], attend[keep], unfinished[keep]
-            keys, values = [k[keep] for k in keys], [v[keep] for v in values]
-        pos = pos + 1
-        attend[:, 0, 0, P + t] = True
-        logits = step(nxt, pos, keys, values, P + t, attend)
+            rows, nxt, unfinished = rows[keep], nxt[keep], unfinished[keep]
+            step.keep(keep)
+        logits = step(nxt, t)
     return tokens[:, :t + 1]
 
 

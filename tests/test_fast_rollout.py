@@ -11,12 +11,15 @@ from grpo_core.types import RolloutBatch
 PROMPTS = ["What is 3 + 4?", "A much longer question so the batch is left padded: 12 * 11?", "7 * 8?"]
 
 
-def _model(arch="llama", kv_heads=None):
+def _model(arch="llama", kv_heads=None, rope=None):
     torch.manual_seed(0)
     model, tok = build_tiny(arch, hidden=32, layers=2, heads=4)
-    if kv_heads:  # grouped-query attention, as in Qwen2 checkpoints
+    if kv_heads or rope:
         from transformers import AutoModelForCausalLM
-        model.config.num_key_value_heads = kv_heads
+        if kv_heads:  # grouped-query attention, as in Qwen2 checkpoints
+            model.config.num_key_value_heads = kv_heads
+        if rope:  # scaled rotary embedding (long-context checkpoints): cos/sin from the model each step
+            model.config.rope_parameters = {**model.config.rope_parameters, **rope}
         model = AutoModelForCausalLM.from_config(model.config)
     with torch.no_grad():  # large random weights: logits far from uniform, positions matter
         for p in model.parameters():
@@ -30,10 +33,15 @@ def _prompts(tok, prompts=PROMPTS):
     return ids, mask
 
 
-@pytest.mark.parametrize("arch,kv", [("llama", None), ("qwen2", None), ("qwen2", 2)])
-def test_greedy_tokens_equal_generate(arch, kv):
-    model, tok = _model(arch, kv)
+LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0}  # a scaled variant whose phases move every position
+
+
+@pytest.mark.parametrize("arch,kv,rope", [("llama", None, None), ("qwen2", None, None), ("qwen2", 2, None),
+                                          ("llama", 2, LINEAR_ROPE)], ids=["llama", "qwen2", "qwen2-gqa", "linear-rope-gqa"])
+def test_greedy_tokens_equal_generate(arch, kv, rope):
+    model, tok = _model(arch, kv, rope)
     assert fast_decode_supported(model)
+    assert model.model.rotary_emb.rope_type == (rope or {}).get("rope_type", "default")
     ids, mask = _prompts(tok)
     kw = dict(temperature=1.0, top_p=1.0, top_k=0, greedy=True)
     ref = _generate(model, ids, mask, 2, 16, tok.eos_token_id, tok.pad_token_id, **kw)
@@ -99,10 +107,12 @@ def test_inverse_cdf_sampler_draws_each_token_with_its_probability():
                              max_new_tokens=2, eos_id=0, pad_id=0, sampler="gumbel")
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_scored_logprobs_equal_the_decoder_sampling_distribution(temperature):
-    """The loss scores exactly the distribution the fast decoder sampled from (left padding, T != 1)."""
-    model, tok = _model()
+@pytest.mark.parametrize("temperature,model_args", [(1.0, ()), (0.7, ()), (1.0, ("llama", 2, LINEAR_ROPE))],
+                         ids=["T1", "T0.7", "T1-linear-rope-gqa"])
+def test_scored_logprobs_equal_the_decoder_sampling_distribution(temperature, model_args):
+    """The loss scores exactly the distribution the fast decoder sampled from (left padding, T != 1,
+    grouped-query attention, a scaled rotary embedding): every step's logits, at every position."""
+    model, tok = _model(*model_args)
     ids, mask = _prompts(tok)
     G, steps = 3, []
     torch.manual_seed(1)
