@@ -86,17 +86,17 @@ LEVERS = {"decode": "shared-prefix decode loop (else transformers generate)",
 
 
 def disable_levers(names: list[str]) -> None:
-    from grpo_core import rollout
+    from grpo_core import decode, scoring
 
     for name in names:
         if name not in LEVERS:
             raise SystemExit(f"unknown lever {name!r}; known: {sorted(LEVERS)}")
         if name == "decode":
-            rollout.fast_decode_supported = lambda model: False
+            decode.fast_decode_supported = lambda model: False
         if name == "score":
-            rollout.groups_share_prompts = lambda batch: False
+            scoring.groups_share_prompts = lambda batch: False
         if name == "chunks":
-            rollout.SCORE_CALL_COST = float("inf")
+            scoring.SCORE_CALL_COST = float("inf")
 
 
 def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emit=None) -> list[dict]:

@@ -35,8 +35,9 @@ sys.path.insert(0, str(ROOT))
 
 from grpo_core import dist  # noqa: E402
 from grpo_core.algorithm import group_advantages, grpo_loss, token_logprobs  # noqa: E402
-from grpo_core.rollout import (_generate, completion_logprobs, completion_mask,  # noqa: E402
-                               groups_share_prompts, sample_inverse_cdf, sample_shared_prefix)
+from grpo_core.decode import sample_inverse_cdf, sample_shared_prefix  # noqa: E402
+from grpo_core.rollout import _generate, completion_mask  # noqa: E402
+from grpo_core.scoring import completion_logprobs, groups_share_prompts  # noqa: E402
 from grpo_core.trainer import wrap_ddp  # noqa: E402
 from grpo_core.types import RolloutBatch  # noqa: E402
 
@@ -195,19 +196,19 @@ def correctness(dev, tmp: str, vocab: int) -> dict:
 
 
 def shared_vs_full(model, ids, mask, comp, G: int, eos: int) -> float:
-    import grpo_core.rollout as rollout
+    import grpo_core.scoring as scoring
 
     cmask, trunc = completion_mask(comp.clone(), eos)
     batch = RolloutBatch(ids.repeat_interleave(G, 0).cpu(), mask.repeat_interleave(G, 0).cpu(), comp.clone().cpu(),
                          cmask.cpu(), trunc.cpu(), G, [], [])
-    saved, out = rollout.groups_share_prompts, []
+    saved, out = scoring.groups_share_prompts, []
     try:
         for share in (True, False):
-            rollout.groups_share_prompts = lambda b, share=share: share
+            scoring.groups_share_prompts = lambda b, share=share: share
             with torch.no_grad():
                 out.append(completion_logprobs(model, batch, 1.0)[0].float())
     finally:
-        rollout.groups_share_prompts = saved
+        scoring.groups_share_prompts = saved
     return (out[0] - out[1]).abs()[batch.completion_mask.to(out[0].device)].max().item()
 
 

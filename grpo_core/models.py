@@ -12,7 +12,6 @@ added tokens for the ``<think>``/``<answer>`` tags so the output format is cheap
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import string
 import tempfile
@@ -172,7 +171,7 @@ def load_policy(name_or_path: str, *, trust_remote_code: bool = False, dtype: st
 
 
 def unwrap(model):
-    """The bare model inside DDP and/or ``rollout.CompletionScorer`` (both keep it as ``.module``)."""
+    """The bare model inside DDP and/or ``scoring.CompletionScorer`` (both keep it as ``.module``)."""
     while hasattr(model, "module"):
         model = model.module
     return model

@@ -25,7 +25,8 @@ from grpo_core.health import divergence_alarm
 from grpo_core.models import load_policy, save_policy
 from grpo_core.objective import objective_card
 from grpo_core.rewards import RewardSpec, combine_rewards, resolve_specs
-from grpo_core.rollout import CompletionScorer, completion_logprobs, generate_rollouts
+from grpo_core.rollout import generate_rollouts
+from grpo_core.scoring import CompletionScorer, completion_logprobs
 from grpo_core.stats import window_change
 from grpo_core.tracking import plot_curves, read_jsonl
 from grpo_core.tracking_logger import open_tracker

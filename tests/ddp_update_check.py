@@ -17,12 +17,12 @@ from grpo_core.config import GRPOConfig
 from grpo_core.trainer import Trainer
 from grpo_core.types import RolloutBatch
 
-from grpo_core import rollout
+from grpo_core import scoring
 
 model_dir, out_file, loss_type, prompts, scale = sys.argv[1:6]
 shared_calls = []
-_shared = rollout._shared_prefix_logits
-rollout._shared_prefix_logits = lambda *a, **k: shared_calls.append(1) or _shared(*a, **k)
+_shared = scoring._shared_prefix_logits
+scoring._shared_prefix_logits = lambda *a, **k: shared_calls.append(1) or _shared(*a, **k)
 info = dist.init()
 cfg = GRPOConfig(model=model_dir, output_dir=out_file + ".d", loss_type=loss_type, beta=0.04, scale=scale,
                  lr=1e-2, group_size=4, prompts_per_iter=2, max_grad_norm=0.0)

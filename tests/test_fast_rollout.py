@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from grpo_core.models import build_tiny
-from grpo_core.rollout import (_generate, completion_logprobs, completion_mask, encode_prompts,
-                               fast_decode_supported, generate_rollouts, groups_share_prompts,
-                               length_chunks, sample_inverse_cdf, sample_shared_prefix)
+from grpo_core.decode import fast_decode_supported, sample_inverse_cdf, sample_shared_prefix
+from grpo_core.rollout import _generate, completion_mask, encode_prompts, generate_rollouts
+from grpo_core.scoring import completion_logprobs, groups_share_prompts, length_chunks
 from grpo_core.types import RolloutBatch
 
 PROMPTS = ["What is 3 + 4?", "A much longer question so the batch is left padded: 12 * 11?", "7 * 8?"]
@@ -131,7 +131,7 @@ def test_scored_logprobs_equal_the_decoder_sampling_distribution(temperature, mo
 def test_shared_prefix_scoring_equals_full_forward_in_value_and_gradient(monkeypatch, call_cost):
     """Shared-prefix scoring, in one padded call (inf) or in length chunks that skip the positions
     after EOS (0: one chunk per distinct length), equals the full forward at every scored position."""
-    import grpo_core.rollout as rollout
+    import grpo_core.scoring as scoring
 
     model, tok = _model()
     model.train()
@@ -143,12 +143,12 @@ def test_shared_prefix_scoring_equals_full_forward_in_value_and_gradient(monkeyp
     for row, length in ((0, 5), (3, 1), (4, 7)):  # early-EOS rows; their masked positions must not matter
         cmask[row, length:] = False
     batch = RolloutBatch(ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), comp, cmask, trunc, G, [], [])
-    monkeypatch.setattr(rollout, "SCORE_CALL_COST", call_cost)
+    monkeypatch.setattr(scoring, "SCORE_CALL_COST", call_cost)
     chunks = []
-    monkeypatch.setattr(rollout, "length_chunks", lambda *a, **k: chunks.append(length_chunks(*a, **k)) or chunks[-1])
+    monkeypatch.setattr(scoring, "length_chunks", lambda *a, **k: chunks.append(length_chunks(*a, **k)) or chunks[-1])
     results = []
     for share in (True, False):
-        monkeypatch.setattr(rollout, "groups_share_prompts", lambda b, share=share: share)
+        monkeypatch.setattr(scoring, "groups_share_prompts", lambda b, share=share: share)
         model.zero_grad()
         logp, ent = completion_logprobs(model, batch, 0.8, with_entropy=True)
         (logp * cmask).sum().backward()

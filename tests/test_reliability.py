@@ -544,7 +544,7 @@ def test_checkpoints_and_saved_models_unwrap_the_ddp_scorer_and_keep_the_optimiz
     models hold the bare model's keys. A checkpoint written with one AdamW implementation resumes
     with the one this machine runs (the saved flag does not override it)."""
     from grpo_core.models import build_tiny, save_policy, unwrap
-    from grpo_core.rollout import CompletionScorer
+    from grpo_core.scoring import CompletionScorer
 
     model, tok = build_tiny("llama", 32, 1, 2, seed=0)
     wrapped = CompletionScorer(model)
@@ -561,7 +561,7 @@ def test_checkpoints_and_saved_models_unwrap_the_ddp_scorer_and_keep_the_optimiz
 
 
 def test_sampling_from_a_diverged_policy_is_an_error_not_a_token():
-    from grpo_core.rollout import sample_inverse_cdf
+    from grpo_core.decode import sample_inverse_cdf
 
     for row in ([float("nan"), 0.5, 0.5], [1.0, float("inf"), 0.0], [0.0, 0.0, 0.0]):
         with pytest.raises(ValueError, match="row 1 .*not a distribution.*NaN/inf"):

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from grpo_core.models import build_tiny
-from grpo_core.rollout import (_forward_inputs, completion_logprobs, completion_mask, encode_prompts,
-                               generate_rollouts)
+from grpo_core.rollout import completion_mask, encode_prompts, generate_rollouts
+from grpo_core.scoring import completion_logprobs, forward_inputs
 from grpo_core.types import RolloutBatch
 
 ROWS = [{"id": "a", "prompt": "What is 3 + 4?", "gold": "7"},
@@ -59,7 +59,7 @@ def test_arange_positions_would_score_a_different_distribution():
     """
     model, tok = _model("gpt2")
     batch, _ = _generate_with_logits(model, tok)
-    ids, attn, pos = _forward_inputs(batch, "cpu")
+    ids, attn, pos = forward_inputs(batch, "cpu")
     T = batch.completion_ids.shape[1]
     with torch.no_grad():
         good = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -T - 1:-1]
