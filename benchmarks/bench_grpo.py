@@ -85,6 +85,23 @@ LEVERS = {"decode": "shared-prefix decode loop (else transformers generate)",
           "chunks": "length-sorted scoring chunks that skip positions after EOS (else one padded call)"}
 
 
+def parse_side(name: str) -> tuple[str, list[str], bool]:
+    """"ours[-<lever>...][+compile]" or "trl[+compile]" -> (kind, levers switched off, compiled).
+
+    "+compile": ours with ``compile_scoring`` (torch.compile of the scoring forwards), TRL with
+    ``torch_compile=True`` (HF Trainer compiles the model it trains), so both can be compared
+    compiled too. The first iterations compile: raise ``--warmup`` to keep them out of the timing.
+    """
+    base, plus, extra = name.partition("+")
+    kind, *levers = base.split("-")
+    if kind not in ("ours", "trl") or (plus and extra != "compile") or (kind == "trl" and levers):
+        raise SystemExit(f"unknown side {name!r}: use ours[-<lever>...][+compile] or trl[+compile]")
+    unknown = [lv for lv in levers if lv not in LEVERS]
+    if unknown:
+        raise SystemExit(f"unknown lever {unknown[0]!r} in side {name!r}; known: {sorted(LEVERS)}")
+    return kind, levers, bool(plus)
+
+
 def disable_levers(names: list[str]) -> None:
     from grpo_core import decode, scoring
 
@@ -99,7 +116,8 @@ def disable_levers(names: list[str]) -> None:
             scoring.SCORE_CALL_COST = float("inf")
 
 
-def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emit=None) -> list[dict]:
+def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emit=None,
+             compile_scoring: bool = False) -> list[dict]:
     """Our trainer's iterations; ``gate()`` (if given) is called before each one and ``emit(row)``
     after it (the lockstep protocol of ``run_lockstep``)."""
     import torch
@@ -114,7 +132,8 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
                      iterations=iters + warmup, max_new_tokens=spec["max_new_tokens"], beta=COMMON["beta"],
                      lr=COMMON["lr"], temperature=COMMON["temperature"], top_k=COMMON["top_k"],
                      top_p=COMMON["top_p"], clip_low=COMMON["clip"], max_grad_norm=COMMON["max_grad_norm"],
-                     loss_type=COMMON["loss_type"], mu=1, seed=COMMON["seed"], output_dir=out_dir)
+                     loss_type=COMMON["loss_type"], mu=1, seed=COMMON["seed"], output_dir=out_dir,
+                     compile_scoring=compile_scoring)
     trainer = Trainer(cfg, dist.init())
     rows = []
     for it in range(1, iters + warmup + 1):  # the body of Trainer.run without checkpoints / eval
@@ -148,14 +167,16 @@ def worker(args) -> dict:
     t0 = time.perf_counter()
     gate = lambda: print(READY, flush=True) or sys.stdin.readline()  # noqa: E731  (idle until "go")
     emit = lambda row: print(ITER + json.dumps(row), flush=True)  # noqa: E731
-    if args.worker.startswith("ours"):
-        disable_levers(args.worker.split("-")[1:])
-        rows = run_ours(spec, args.model_dir, args.iters, args.warmup, gate, emit)
+    kind, levers, compiled = parse_side(args.worker)
+    if kind == "ours":
+        disable_levers(levers)
+        rows = run_ours(spec, args.model_dir, args.iters, args.warmup, gate, emit, compile_scoring=compiled)
     else:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from trl_runner import run_trl
 
-        rows = run_trl(spec, COMMON, REWARD_FN, args.model_dir, args.iters, args.warmup, gate, emit)
+        rows = run_trl(spec, COMMON, REWARD_FN, args.model_dir, args.iters, args.warmup, gate, emit,
+                       torch_compile=compiled)
     gate()  # idle until every side has run its last iteration: wrapping up must not share their CPU
     released = time.time()
     res = summarize(rows, args.warmup)
@@ -308,7 +329,8 @@ def main(argv=None) -> dict:
     p.add_argument("--configs", default="ref,h128,t64,g16", help=f"comma list of {sorted(CONFIGS)}")
     p.add_argument("--sides", default="ours,trl",
                    help="comma list run in lockstep: ours, trl, or ours-<lever>[-<lever>] to switch "
-                        f"levers off: {', '.join(f'{k} = {v}' for k, v in LEVERS.items())}")
+                        f"levers off: {', '.join(f'{k} = {v}' for k, v in LEVERS.items())}; a '+compile' "
+                        "suffix (ours+compile, trl+compile) runs that side with torch.compile")
     p.add_argument("--iters", type=int, default=8, help="measured iterations per run")
     p.add_argument("--warmup", type=int, default=2, help="iterations per run excluded from the timing")
     p.add_argument("--repeats", type=int, default=3, help="runs per side and config (alternated)")
@@ -337,6 +359,8 @@ def main(argv=None) -> dict:
     sides = [s for s in args.sides.split(",") if s]
     if len(set(sides)) != len(sides):
         raise SystemExit(f"--sides must not repeat a side: {args.sides}")
+    for side in sides:  # a bad name fails here, before any worker starts
+        parse_side(side)
     parent_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     if parent_cpus and not args.no_pin and not args.cpus:
         args.cpus = ",".join(map(str, pin_cpus(sorted(parent_cpus), args.threads)))

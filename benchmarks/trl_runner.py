@@ -50,7 +50,7 @@ def _dataset(model_dir: str, n: int):
 
 
 def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int, warmup: int,
-            gate=None, emit=None) -> list[dict]:
+            gate=None, emit=None, torch_compile: bool = False) -> list[dict]:
     """TRL's steps; ``gate()`` (if given) runs before each step's timer starts and ``emit(row)`` after
     the step (bench_grpo's lockstep protocol)."""
     import torch
@@ -74,7 +74,7 @@ def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int
         epsilon=common["clip"], learning_rate=common["lr"], lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=common["max_grad_norm"], loss_type=common["loss_type"],
         scale_rewards="group", use_bias_correction_kl=False, mask_truncated_completions=False,
-        seed=common["seed"], dataloader_num_workers=0, log_completions=False)
+        seed=common["seed"], dataloader_num_workers=0, log_completions=False, torch_compile=torch_compile)
     reward = load_reward_fn(reward_fn)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tok)

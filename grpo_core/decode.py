@@ -46,7 +46,7 @@ def fast_decode_supported(model) -> bool:
 def cache_kwarg(model) -> str:
     """transformers 5.x renamed ``past_key_values`` to ``cache``; accept either (looked up once
     per forward function: ``inspect.signature`` costs ~0.15 ms, and scoring calls the model ~8 times a step)."""
-    forward = model.forward
+    forward = getattr(model, "_orig_mod", model).forward  # torch.compile's wrapper: the model's own
     return _forward_cache_kwarg(getattr(forward, "__func__", forward))  # the function, not a fresh bound method
 
 

@@ -171,9 +171,10 @@ def load_policy(name_or_path: str, *, trust_remote_code: bool = False, dtype: st
 
 
 def unwrap(model):
-    """The bare model inside DDP and/or ``scoring.CompletionScorer`` (both keep it as ``.module``)."""
-    while hasattr(model, "module"):
-        model = model.module
+    """The bare model inside DDP, ``scoring.CompletionScorer`` (both keep it as ``.module``) and
+    ``torch.compile`` (``._orig_mod``)."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or model._orig_mod
     return model
 
 

@@ -81,7 +81,8 @@ def _shared_prefix_logits(model, batch: RolloutBatch, device):
     to a row's EOS equal the full forward's up to float rounding; later positions are not computed.
     """
     G, P = batch.group_size, batch.prompt_ids.shape[1]
-    out, prefix = prefill(model, batch.prompt_ids[::G].to(device), batch.prompt_mask[::G].to(device))
+    out, prefix = prefill(model, batch.prompt_ids[::G].to(device).contiguous(),
+                          batch.prompt_mask[::G].to(device).contiguous())
     # Repeated G times first, then rows picked: the backward of a pick with repeated indices
     # (row // G) accumulates in a thread-dependent order; of unique ones, it does not (bitwise resume).
     prefix.batch_repeat_interleave(G)
@@ -100,8 +101,10 @@ def _shared_prefix_logits(model, batch: RolloutBatch, device):
                 cache.update(layer.keys[pick], layer.values[pick], i)
         logits = first[pick]                                                           # [b, 1, V]
         if L > 1:
-            rest = model(input_ids=batch.completion_ids[pick, :L - 1].to(device), attention_mask=attn[pick, :P + L - 1],
-                         position_ids=pos[pick, P:P + L - 1], use_cache=True, **{cache_kwarg(model): cache}).logits
+            inputs = dict(input_ids=batch.completion_ids[pick, :L - 1], attention_mask=attn[pick, :P + L - 1],
+                          position_ids=pos[pick, P:P + L - 1])  # contiguous: a compiled scorer guards on strides
+            rest = model(**{k: v.to(device).contiguous() for k, v in inputs.items()}, use_cache=True,
+                         **{cache_kwarg(model): cache}).logits
             logits = torch.cat([logits, rest], 1)                                      # [b, L, V]
         pieces.append((rows, logits))
     return pieces

@@ -43,6 +43,19 @@ def test_sides_run_in_lockstep(tmp_path):
     assert min(runs[side][0]["released_at"] for side in runs) >= spans[-1][1]
 
 
+@pytest.mark.parametrize("name,parsed", [("ours", ("ours", [], False)), ("trl", ("trl", [], False)),
+                                         ("ours-score-chunks", ("ours", ["score", "chunks"], False)),
+                                         ("ours+compile", ("ours", [], True)), ("trl+compile", ("trl", [], True))])
+def test_side_names_parse(name, parsed):
+    assert bench_grpo.parse_side(name) == parsed
+
+
+@pytest.mark.parametrize("name", ["ours-fast", "trl-score", "ours+jit", "tlr", "ours+"])
+def test_bad_side_names_fail_before_any_worker_starts(name):
+    with pytest.raises(SystemExit, match="side"):
+        bench_grpo.main(["--configs", "quick", "--sides", f"ours,{name}"])
+
+
 def test_our_side_runs_the_trainer_iteration(tmp_path):
     spec = bench_grpo.CONFIGS["quick"]
     model_dir = bench_grpo.build_model_dir(spec, tmp_path / "m")

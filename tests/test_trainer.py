@@ -60,6 +60,31 @@ def test_resume_after_crash_is_bitwise_equal_to_uninterrupted(tiny, tmp_path):
     assert its == [1, 2, 3, 4, 5, 6]  # no duplicated iterations after the resume
 
 
+def test_compiled_scoring_gives_the_eager_update(tiny, tmp_path):
+    """compile_scoring=True scores through torch.compile'd policy and reference: iteration 1 (same
+    rollouts, two updates: mu=2 scores the old policy too) reports eager's loss, KL and entropy."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    rows = {}
+    for flag in (False, True):
+        out = tmp_path / ("compiled" if flag else "eager")
+        main(_stage(tiny, out, iterations=1, save_every=1, compile_scoring=flag))
+        rows[flag] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs >= 2, f"compiled scoring did not run ({graphs} graphs)"  # policy (with grad) and reference
+    assert rows[True]["reward"] == rows[False]["reward"]  # the decoder does not use the compiled module
+    for key in ("loss", "kl", "entropy", "grad_norm"):
+        assert rows[True][key] == pytest.approx(rows[False][key], rel=1e-3, abs=1e-6), key
+    saved = [load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("eager", "compiled")]
+    assert saved[0].keys() == saved[1].keys()  # the bare model is saved, not the compiled wrapper
+    from grpo_core.models import unwrap
+    bare = torch.nn.Linear(2, 2)
+    assert unwrap(torch.compile(bare)) is bare
+    torch._dynamo.reset()
+
+
 def test_corrupt_latest_checkpoint_falls_back_to_previous(tiny, tmp_path):
     main(_stage(tiny, tmp_path, iterations=4, keep_checkpoints=3))
     latest = tmp_path / "checkpoints" / "ckpt-000004" / "model.safetensors"
