@@ -54,6 +54,14 @@ def compile_for_scoring(model):
     compiled variants per code object: prompt vs completion calls, with and without grad, for both
     models. Its default limit (8) could be reached and silently fall back to eager, so it is raised.
     """
+    try:
+        import torch._inductor.compile_fx  # noqa: F401  (torch.compile loads it; fail here, clearly)
+    except TypeError as e:  # seen in a process where metaflow's vendored typing_extensions was loaded
+        raise RuntimeError(
+            f"compile_scoring: torch's compiler cannot be loaded in this process ({e}). Another copy of "
+            "typing_extensions (metaflow vendors one) replaced typing._collect_parameters. Train in a "
+            "process of its own (python -m grpo_core.train, or torchrun, as the flow's steps do), or set "
+            "compile_scoring = false.") from e
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(model, dynamic=True)
 

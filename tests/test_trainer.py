@@ -60,29 +60,41 @@ def test_resume_after_crash_is_bitwise_equal_to_uninterrupted(tiny, tmp_path):
     assert its == [1, 2, 3, 4, 5, 6]  # no duplicated iterations after the resume
 
 
+COMPILED_RUN = """import sys, torch
+from grpo_core.models import unwrap
+from grpo_core.train import main
+main(sys.argv[1:])
+bare = torch.nn.Linear(2, 2)
+print("UNWRAP", unwrap(torch.compile(bare)) is bare)
+print("GRAPHS", torch._dynamo.utils.counters["stats"]["unique_graphs"])
+"""
+
+
 def test_compiled_scoring_gives_the_eager_update(tiny, tmp_path):
     """compile_scoring=True scores through torch.compile'd policy and reference: iteration 1 (same
-    rollouts, two updates: mu=2 scores the old policy too) reports eager's loss, KL and entropy."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    rollouts, two updates: mu=2 scores the old policy too) reports eager's loss, KL and entropy.
+    The compiled stage runs in a process of its own, as the flow's torchrun steps do (this pytest
+    process may hold metaflow's vendored typing_extensions, which torch's compiler cannot load with)."""
     rows = {}
     for flag in (False, True):
         out = tmp_path / ("compiled" if flag else "eager")
-        main(_stage(tiny, out, iterations=1, save_every=1, compile_scoring=flag))
+        args = _stage(tiny, out, iterations=1, save_every=1, compile_scoring=flag)
+        if flag:
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+            run = subprocess.run([sys.executable, "-c", COMPILED_RUN, *args], env=env, capture_output=True,
+                                 text=True, timeout=900)
+            assert run.returncode == 0, run.stderr[-4000:]
+            graphs = int(run.stdout.split("GRAPHS")[-1])
+            assert graphs >= 2, f"compiled scoring did not run ({graphs} graphs)"  # policy (with grad), reference
+        else:
+            main(args)
         rows[flag] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert graphs >= 2, f"compiled scoring did not run ({graphs} graphs)"  # policy (with grad) and reference
     assert rows[True]["reward"] == rows[False]["reward"]  # the decoder does not use the compiled module
     for key in ("loss", "kl", "entropy", "grad_norm"):
         assert rows[True][key] == pytest.approx(rows[False][key], rel=1e-3, abs=1e-6), key
     saved = [load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("eager", "compiled")]
     assert saved[0].keys() == saved[1].keys()  # the bare model is saved, not the compiled wrapper
-    from grpo_core.models import unwrap
-    bare = torch.nn.Linear(2, 2)
-    assert unwrap(torch.compile(bare)) is bare
-    torch._dynamo.reset()
+    assert "UNWRAP True" in run.stdout  # models.unwrap strips torch.compile's wrapper
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_previous(tiny, tmp_path):
@@ -100,8 +112,9 @@ def _update(tiny, out, nproc, loss_type, prompts="shared", scale="group"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
            if nproc > 1 else [sys.executable, script])
-    subprocess.run(cmd + [str(tiny), str(out), loss_type, prompts, scale], check=True, env=env, capture_output=True,
-                   timeout=300)
+    run = subprocess.run(cmd + [str(tiny), str(out), loss_type, prompts, scale], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, f"{' '.join(cmd[2:4])} exited {run.returncode}:\n{run.stderr[-6000:]}"
     grads = load_file(str(out))
     return grads, grads.pop("shared_prefix_calls").item()
 
