@@ -306,7 +306,8 @@ class Trainer:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(m) + "\n")
         self.tracker.log({k: v for k, v in m.items() if k != "iteration"}, step=m["iteration"])
-        alarm = divergence_alarm(self.state["history"])
+        # the alarm reads evaluation points only, so it can change (and is reported) only at one
+        alarm = divergence_alarm(self.state["history"]) if "eval_accuracy" in m else None
         if alarm:
             print(f"WARNING [{self.cfg.stage}] {alarm}", flush=True)
             self.tracker.log({"alarm/reward_task_divergence": 1.0}, step=m["iteration"])

@@ -97,6 +97,26 @@ def test_compiled_scoring_gives_the_eager_update(tiny, tmp_path):
     assert "UNWRAP True" in run.stdout  # models.unwrap strips torch.compile's wrapper
 
 
+def test_divergence_alarm_is_reported_once_per_evaluation(tiny, tmp_path, capsys):
+    """The alarm reads evaluation points only: it is printed at the evaluation that raises it, not
+    again on every iteration until the next one (the default run printed one alarm 25 times)."""
+    from grpo_core import dist
+    from grpo_core.train import load_config
+    from grpo_core.trainer import Trainer
+
+    overrides = [a.removeprefix("--set=") for a in _stage(tiny, tmp_path, beta=0.0, sample_every=1000)]
+    trainer = Trainer(load_config(None, overrides), dist.init())
+    rewards, accs = [0.1, 0.2, 0.3, 0.4, 0.5], {2: 0.5, 4: 0.4, 6: 0.3}  # reward up, accuracy down
+    batch = None
+    for it, r in enumerate(rewards + [0.7, 0.8], start=2):  # from 2: iteration 1 logs sample completions
+        m = {"iteration": it, "reward": r, "informative_frac": 0.5, "kl": 0.0, "completion_len": 1.0}
+        if it in accs:
+            m["eval_accuracy"] = accs[it]
+        trainer._record(m, batch)
+    warnings = [ln for ln in capsys.readouterr().out.splitlines() if "divergence" in ln]
+    assert len(warnings) == 1 and "iterations 2..6" in warnings[0], warnings
+
+
 def test_corrupt_latest_checkpoint_falls_back_to_previous(tiny, tmp_path):
     main(_stage(tiny, tmp_path, iterations=4, keep_checkpoints=3))
     latest = tmp_path / "checkpoints" / "ckpt-000004" / "model.safetensors"
