@@ -64,9 +64,12 @@ def main(argv=None) -> dict:
         torch.set_num_threads(int(threads))
     info = dist.init()
     try:
-        return Trainer(cfg, info).run()
-    finally:
-        dist.cleanup()
+        summary = Trainer(cfg, info).run()
+    except BaseException:
+        dist.cleanup(finished=False)
+        raise
+    dist.cleanup()
+    return summary
 
 
 if __name__ == "__main__":
