@@ -74,3 +74,6 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+    from grpo_core import dist
+
+    dist.end_worker_process()  # skips a teardown race in gloo that can abort a finished worker

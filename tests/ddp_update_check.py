@@ -51,3 +51,4 @@ if info.is_main:
     grads = {n: p.grad.contiguous() for n, p in trainer.model.named_parameters() if p.grad is not None}
     save_file({**grads, "shared_prefix_calls": torch.tensor(float(len(shared_calls)))}, out_file)
 dist.cleanup()
+dist.end_worker_process()

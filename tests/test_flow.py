@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tomllib
+from dataclasses import dataclass
 
 import pytest
 
@@ -50,16 +51,26 @@ def mf_env(root, **extra) -> dict:
     return {**env, **extra}
 
 
-def run_flow(root, cfg: dict, resume_from: str | None = None, datastore: str = "local", **env_extra):
+@dataclass
+class FlowResult:
+    """What a Runner call left: read inside the Runner block, since closing the Runner deletes
+    the files its ``stdout``/``stderr`` read from (a failing assert must still show them)."""
+    status: str
+    run: object
+    stdout: str
+    stderr: str
+
+
+def run_flow(root, cfg: dict, resume_from: str | None = None, datastore: str = "local",
+             **env_extra) -> FlowResult:
     from metaflow import Runner
 
     env = mf_env(root, **env_extra)
     opts = dict(show_output=False, env=env, cwd=str(root), datastore=datastore, file_read_timeout=900)
-    if resume_from:  # resume reuses the origin run's config (Metaflow refuses --config here)
-        with Runner(FLOW, **opts) as r:
-            return r.resume(origin_run_id=resume_from)
-    with Runner(FLOW, config_value=[("cfg", cfg)], **opts) as r:
-        return r.run()
+    config = {} if resume_from else {"config_value": [("cfg", cfg)]}  # resume reuses the origin's
+    with Runner(FLOW, **config, **opts) as r:
+        done = r.resume(origin_run_id=resume_from) if resume_from else r.run()
+        return FlowResult(done.status, done.run, done.stdout, done.stderr)
 
 
 def final_model_dir(run, step="gsm8k_grpo"):

@@ -122,22 +122,16 @@ def test_env_credentials_never_reach_mlflow_metaflow_logs_or_cards(tmp_path):
     """One tiny flow run with fake secrets in its environment, then every channel is scanned.
     A control string (the config name, which is meant to be logged) must be found in each
     channel, so a scan that cannot see (undecoded gzip/base64, wrong store) fails the test."""
-    from metaflow import Runner
-
-    from tests.test_flow import FLOW, mf_env, tiny_config
+    from tests.test_flow import run_flow, tiny_config
 
     control = f"cfg-{uuid.uuid4().hex[:8]}"
     cfg = tiny_config(tmp_path, name=control, sft={"steps": 10},
                       curriculum={"iterations": 1, "save_every": 1, "eval_every": 1, "eval_size": 4},
                       gsm8k={"iterations": 1, "save_every": 1, "eval_size": 4},
                       evaluate={"gsm8k_size": 4, "arith_size": 8, "max_new_tokens": 8})
-    env = mf_env(tmp_path, AWS_ACCESS_KEY_ID="FAKEKEYID", **SECRET_ENV)
-    # tests.test_flow.run_flow, but reading the run's output before the Runner deletes its log files
-    with Runner(FLOW, show_output=False, env=env, cwd=str(tmp_path), config_value=[("cfg", cfg)]) as r:
-        result = r.run()
-        stdout, stderr = result.stdout, result.stderr
-    assert result.status == "successful", stderr[-5000:]
-    scan_for_secrets(tmp_path, cfg["tracking_uri"], result.run, stdout + stderr, control)
+    result = run_flow(tmp_path, cfg, AWS_ACCESS_KEY_ID="FAKEKEYID", **SECRET_ENV)
+    assert result.status == "successful", result.stderr[-5000:]
+    scan_for_secrets(tmp_path, cfg["tracking_uri"], result.run, result.stdout + result.stderr, control)
 
 
 def scan_for_secrets(root: Path, tracking_uri: str, run, output: str, control: str) -> None:

@@ -205,3 +205,17 @@ def test_dynamic_sampling_keeps_informative_groups_and_logs_draws(tiny, tmp_path
         assert r["dynamic_drawn"] >= 4 and 0 <= r["dynamic_rounds"] <= 2
         assert r["informative_frac_kept"] >= r["informative_frac"]
     assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("under_torchrun", [True, False])
+def test_end_worker_process_exits_0_with_output_flushed_only_under_torchrun(under_torchrun):
+    """Under torchrun (RANK and LOCAL_RANK set) a finished worker leaves at once with status 0
+    and its unflushed stdout/stderr written; alone the call returns and the script goes on."""
+    script = ("import sys; from grpo_core import dist; print('out', end=''); sys.stderr.write('err'); "
+              "dist.end_worker_process(); raise SystemExit(3)")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
+    if under_torchrun:
+        env.update(RANK="0", LOCAL_RANK="0")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO,
+                         env={**env, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert (out.returncode, out.stdout, out.stderr) == ((0 if under_torchrun else 3), "out", "err")
