@@ -34,29 +34,42 @@ DEFAULT_MAX_NEW_TOKENS = 256  # enough for a GSM8K chain of thought; override at
 # Written to a temp file and logged as "models from code": the loaded model then depends only
 # on mlflow, torch and transformers, never on this package or on cloudpickle.
 PYFUNC_CODE = '''\
-"""Greedy text generation over a Hugging Face causal-LM directory (MLflow pyfunc)."""
+"""Greedy text generation over a Hugging Face causal-LM directory (MLflow pyfunc).
+
+``predict`` takes raw questions (as in the datasets) and answers them the way the evaluation that
+registered this model measured it: the same prompt format (the tokenizer's chat template, else the
+question and a newline; no added special tokens) and plain argmax decoding (the checkpoint's
+generation_config extras, such as repetition_penalty, are not applied).
+"""
 import mlflow
 from mlflow.pyfunc import PythonModel
 
 
 class GreedyCausalLM(PythonModel):
     def load_context(self, context):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         model_dir = context.artifacts["model_dir"]
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        self.model.generation_config = GenerationConfig(pad_token_id=self.tok.pad_token_id,
+                                                        eos_token_id=self.tok.eos_token_id)
         self.max_new_tokens = int((context.model_config or {}).get("max_new_tokens", 256))
+
+    def render(self, question: str) -> str:
+        if getattr(self.tok, "chat_template", None):
+            return self.tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                                add_generation_prompt=True)
+        return question + "\\n"
 
     def predict(self, context, model_input: list[str], params=None) -> list[str]:
         import torch
 
         out = []
-        for prompt in model_input:  # one at a time: no padding side to get wrong
-            enc = self.tok(prompt, return_tensors="pt")
+        for question in model_input:  # one at a time: no padding side to get wrong
+            enc = self.tok(self.render(question), return_tensors="pt", add_special_tokens=False)
             with torch.no_grad():
-                ids = self.model.generate(**enc, max_new_tokens=self.max_new_tokens,
-                                          do_sample=False, pad_token_id=self.tok.pad_token_id)
+                ids = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False)
             out.append(self.tok.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
         return out
 

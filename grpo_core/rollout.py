@@ -7,6 +7,7 @@ Scoring the sampled tokens (log-probs for the loss) is ``grpo_core.scoring``.
 from __future__ import annotations
 
 import torch
+from transformers import GenerationConfig
 
 from grpo_core import decode
 from grpo_core.types import RolloutBatch
@@ -74,12 +75,21 @@ def generate_rollouts(model, tok, rows: list[dict], group_size: int, *, temperat
 
 def _generate(model, ids, mask, group_size, max_new_tokens, eos_id, pad_id, *, temperature, top_p, top_k,
               greedy):
-    """transformers' ``generate`` on the prompts repeated G times: completion ids [B, T]."""
+    """transformers' ``generate`` on the prompts repeated G times: completion ids [B, T].
+
+    ``generate`` fills every option we do not pass from the checkpoint's ``generation_config``
+    (repetition_penalty, no_repeat_ngram_size, min_new_tokens, suppress_tokens, ...), which would
+    sample from a distribution other than the softmax(logits / T) the loss scores. So the call runs
+    with a blank generation config holding only pad/eos; the model's own is restored after."""
     ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # [B, P]
     sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k}
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=not greedy,
-                             max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id,
-                             use_cache=True, repetition_penalty=1.0,  # checkpoint defaults would
-                             **sampling)                             # skew what the loss scores
+    own = model.generation_config
+    model.generation_config = GenerationConfig(pad_token_id=pad_id, eos_token_id=eos_id)
+    try:
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=not greedy,
+                                 max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id,
+                                 use_cache=True, **sampling)
+    finally:
+        model.generation_config = own
     return out[:, ids.shape[1]:]

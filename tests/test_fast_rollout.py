@@ -293,3 +293,26 @@ def test_compacted_decoding_samples_the_distribution_the_loss_scores(temperature
     with torch.no_grad():
         logp, _ = completion_logprobs(model, batch, temperature)
     assert torch.allclose(logp[cmask], sampled[cmask], atol=1e-4)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_generate_ignores_the_checkpoints_generation_config(greedy):
+    """A checkpoint's generation_config.json may carry logit processors (Qwen2.5-Instruct ships
+    repetition_penalty=1.05). The generate fallback must sample softmax(logits / T) with only the
+    stage's filters, as the decoder and the loss do: same tokens as the decoder, greedy and
+    same-seed sampling; the model's own generation_config is left as it was."""
+    model, tok = _model()
+    ids, mask = _prompts(tok)
+    kw = dict(temperature=0.7, top_p=1.0, top_k=0)
+    torch.manual_seed(5)
+    plain = sample_shared_prefix(model, ids, mask, 2, max_new_tokens=12, eos_id=tok.eos_token_id,
+                                 pad_id=tok.pad_token_id, compact_below=0.0, sampler="multinomial",
+                                 greedy=greedy, **kw)
+    extras = dict(repetition_penalty=3.0, no_repeat_ngram_size=1, min_new_tokens=12, top_k=2,
+                  suppress_tokens=[int(plain[0, 0])], temperature=0.2, do_sample=not greedy)
+    for k, v in extras.items():
+        setattr(model.generation_config, k, v)
+    torch.manual_seed(5)
+    out = _generate(model, ids, mask, 2, 12, tok.eos_token_id, tok.pad_token_id, greedy=greedy, **kw)
+    assert torch.equal(out, plain)
+    assert {k: getattr(model.generation_config, k) for k in extras} == extras

@@ -153,3 +153,39 @@ def test_registry_on_server_with_s3_artifacts(mlflow_servers, s3_env, model_dir)
         Bucket="grpo-mlflow", Prefix="proxied/") for o in page.get("Contents", [])]
     assert any("/models/m-" in k and k.endswith("/model.safetensors") for k in keys), keys
     assert sum(k.endswith("eval/items_gsm8k_test.json") for k in keys) == 2
+
+
+def test_registered_model_answers_as_the_evaluation_measured(sqlite_uri, model_dir, tmp_path):
+    """The champion's pyfunc must reproduce the evaluated completions, or the registry's accuracy
+    describes another model: same prompt format (here a chat template) and plain argmax, even
+    when the checkpoint's generation_config carries logit processors."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_core.evaluate import greedy_results
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():  # large random weights: argmax far from ties, answers differ per prompt
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    tok.chat_template = "q: {{ messages[0]['content'] }} a:"
+    model.generation_config.update(repetition_penalty=3.0, no_repeat_ngram_size=1)
+    checkpoint = tmp_path / "checkpoint"
+    model.save_pretrained(checkpoint)
+    tok.save_pretrained(checkpoint)
+    questions = ["12+3=", "what is 7 * 8?", "(4-1)*2="]
+
+    assert _register(sqlite_uri, str(checkpoint), 30, name="grpo-render")["decision"] == "first"
+    served = load_model(sqlite_uri, "grpo-render", max_new_tokens=8).predict(questions)
+    evaluated = greedy_results(model, tok, [{"id": q, "prompt": q, "gold": "0"} for q in questions],
+                               max_new_tokens=8, batch_size=1)
+    assert served == [r["completion"] for r in evaluated]
+    # the test can tell: the checkpoint's processors on the raw question answer differently
+    naive = []
+    for q in questions:
+        enc = tok(q, return_tensors="pt")
+        ids = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+        naive.append(tok.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+    assert naive != served
