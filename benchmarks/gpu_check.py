@@ -345,4 +345,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == 0:
+        dist.end_worker_process()  # under torchrun: skips a gloo teardown race (see grpo_core.dist)
+    sys.exit(code)
