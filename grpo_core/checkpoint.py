@@ -3,9 +3,10 @@
 A checkpoint is a directory ``ckpt-<iteration:06d>/`` holding the model weights (safetensors),
 optimizer and scheduler state, RNG states and ``state.json`` (iteration, data position,
 counters), plus ``manifest.json`` with the size and sha256 of every file. It is written into a
-hidden temporary directory and renamed into place only after the manifest is written, so a
-crash or a full disk leaves the previous checkpoint intact. Loading verifies every checksum; a
-corrupt or truncated checkpoint is skipped with a warning and the previous one is used.
+hidden temporary directory, flushed to disk (fsync) and renamed into place only after the
+manifest is written, so a crash, a power loss or a full disk leaves the previous checkpoint
+intact. Loading verifies every checksum; a corrupt or truncated checkpoint is skipped with a
+warning and the previous one is used.
 Everything loads with ``weights_only=True`` (no pickle code execution).
 """
 from __future__ import annotations
@@ -69,9 +70,11 @@ def save(ckpt_root: str | Path, iteration: int, model, optimizer, scheduler, sta
         manifest = {p.name: {"size": p.stat().st_size, "sha256": storage.sha256_file(p)}
                     for p in sorted(tmp.iterdir())}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        storage.fsync_tree(tmp)  # on disk before the rename: a power loss leaves old or new, whole
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        storage.fsync_dir(root)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         # A full disk surfaces as OSError (ENOSPC/EFBIG) from Python, RuntimeError from

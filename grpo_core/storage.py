@@ -67,9 +67,34 @@ def atomic_write_text(path: str | Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def fsync_tree(path: str | Path) -> None:
+    """Flush every file under ``path``, then the directories, to the disk.
+
+    A rename is atomic but not durable by itself: after a power loss or kernel crash the new name
+    can point at files whose data never reached the disk (short or empty files). Called on a
+    finished temporary directory before it is renamed into place, and on the parent after."""
+    path = Path(path)
+    entries = [path, *path.rglob("*")] if path.is_dir() else [path]
+    for f in (e for e in entries if e.is_file()):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    for d in (e for e in entries if e.is_dir()):
+        fsync_dir(d)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a directory's entries (a rename into it) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def replace_dir(dest: str | Path, fill) -> Path:
@@ -83,6 +108,7 @@ def replace_dir(dest: str | Path, fill) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
     try:
         fill(tmp)
+        fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -93,6 +119,7 @@ def replace_dir(dest: str | Path, fill) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, dest)
+    fsync_dir(dest.parent)
     return dest
 
 

@@ -399,6 +399,37 @@ def test_disk_full_while_checkpointing_keeps_the_previous_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]  # no .final.* / .synced.*
 
 
+def test_checkpoints_and_saved_models_reach_the_disk_before_their_rename(tmp_path, monkeypatch):
+    """Power loss is not reproducible here, so this checks the order of the system calls that make
+    a rename durable: every file of the new directory (and the directory) is fsynced before it is
+    renamed into place, and the parent directory after (so the new name itself survives)."""
+    from grpo_core.models import build_tiny, save_policy
+
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        events.append(("rename", str(src), str(dst)))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    model, tok = build_tiny("llama", 32, 1, 2, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1.0)
+    written = [checkpoint.save(tmp_path / "ckpts", 1, model, opt, sched, {"iteration": 1}),
+               save_policy(model, tok, tmp_path / "final")]
+    for final in written:
+        k, (_, tmp, _) = next((k, e) for k, e in enumerate(events) if e[0] == "rename" and e[2] == str(final))
+        before = {e[1] for e in events[:k] if e[0] == "fsync"}
+        names = [p.name for p in final.rglob("*")]
+        assert names and {str(Path(tmp) / n) for n in names} | {tmp} <= before, (final, sorted(before))
+        assert ("fsync", str(final.parent)) in events[k:], f"{final.parent} not fsynced after the rename"
+
+
 # ---------------------------------------------------------------- 7. bad input
 
 
