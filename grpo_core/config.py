@@ -154,6 +154,11 @@ class GRPOConfig:
     """torch.compile (dynamic shapes) the policy and reference forwards that score completions for
     the loss (not the decoder). Pays on long runs: fwd+bwd 0.78x at the t64 bench shape on one CPU
     thread, but the first iterations compile (~50 s on 2 CPU cores), in every training process."""
+    reward_timeout_s: float = 300.0
+    """Seconds one reward function may take for one batch before the stage stops with an error
+    naming it (a hung verifier would otherwise stall every rank forever); 0 disables the limit.
+    Enforced with SIGALRM in the main thread: Python code and blocking system calls are
+    interrupted, a C extension that never returns to Python is not."""
     max_new_tokens: int = 32
     """Completion length cap; completions that hit it count as truncated."""
     max_prompt_tokens: int = 512
@@ -211,7 +216,7 @@ class GRPOConfig:
         for name in ("lr", "temperature", "top_p"):
             v = getattr(self, name)
             _require(math.isfinite(v) and v > 0, f"{w}.{name}", f"must be a finite number > 0, got {v}")
-        for name in ("beta", "clip_low", "weight_decay", "max_grad_norm", "adv_eps"):
+        for name in ("beta", "clip_low", "weight_decay", "max_grad_norm", "adv_eps", "reward_timeout_s"):
             v = getattr(self, name)
             _require(math.isfinite(v) and v >= 0, f"{w}.{name}", f"must be >= 0, got {v}")
         _require(self.clip_high is None or self.clip_high >= 0, f"{w}.clip_high", "must be >= 0 or omitted")

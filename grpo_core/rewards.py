@@ -19,6 +19,9 @@ import importlib
 import math
 import numbers
 import re
+import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
@@ -298,11 +301,41 @@ def resolve_specs(specs) -> list[tuple[Callable, float, str]]:
     return resolved
 
 
-def combine_rewards(specs, prompts: list[str], completions: list, columns: dict[str, list]):
+class RewardTimeoutError(RuntimeError):
+    """A reward function ran past its time limit."""
+
+
+@contextmanager
+def time_limit(seconds: float, name: str):
+    """Raise ``RewardTimeoutError`` in the calling thread after ``seconds`` (0: no limit).
+
+    SIGALRM only reaches the main thread; elsewhere (a reward called from a worker thread) this
+    does nothing rather than install a handler Python would refuse."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise RewardTimeoutError(f"reward function {name!r} took more than {seconds:g} s for one batch "
+                                 "(reward_timeout_s); make it faster (or give it its own timeout per "
+                                 "sample), or raise reward_timeout_s (0 disables the limit)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def combine_rewards(specs, prompts: list[str], completions: list, columns: dict[str, list],
+                    timeout_s: float = 0.0):
     """Weighted sum of reward functions per completion, plus the raw per-function values.
 
     None from a function means "not applicable": it adds nothing (a sample with no applicable
     function gets 0.0) and shows as nan in the breakdown (aggregate it with a nan-aware mean).
+    ``timeout_s`` (0: none) limits each function's call (``time_limit``).
 
     >>> total, parts = combine_rewards([(format_reward, 2.0, "fmt")], ["q"], ["<answer>1</answer>"], {})
     >>> total, parts
@@ -316,7 +349,8 @@ def combine_rewards(specs, prompts: list[str], completions: list, columns: dict[
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
     totals, breakdown = [0.0] * n, {}
     for fn, weight, name in resolve_specs(specs):
-        values = fn(prompts, completions, **columns)
+        with time_limit(timeout_s, name):
+            values = fn(prompts, completions, **columns)
         if not isinstance(values, (list, tuple)) or len(values) != n:
             got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
             raise ValueError(f"reward function {name!r} returned {got} values, expected a list of {n}")

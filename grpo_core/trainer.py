@@ -164,7 +164,8 @@ class Trainer:
                                   max_prompt_tokens=c.max_prompt_tokens, sampler=c.sampler)
         t0 = time.perf_counter()
         cols = {k: v for k, v in batch.columns.items() if k not in ("id", "think")}
-        total, self.last_breakdown = combine_rewards(self.rewards, batch.prompts, batch.completions, cols)
+        total, self.last_breakdown = combine_rewards(self.rewards, batch.prompts, batch.completions, cols,
+                                                    timeout_s=c.reward_timeout_s)
         batch.rewards = torch.tensor(total, dtype=torch.float32)
         self.timings["time_reward"] += time.perf_counter() - t0
         return batch

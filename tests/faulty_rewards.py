@@ -28,3 +28,10 @@ def huge_on_calls(prompts, completions, **_):
 
 def wrong_length(prompts, completions, **_):
     return [0.0] * (len(completions) - 1)
+
+
+def hangs(prompts, completions, **_):
+    """A verifier stuck forever (a deadlocked subprocess, a lost network call)."""
+    import time
+    time.sleep(3600)
+    return [0.0] * len(completions)

@@ -499,6 +499,21 @@ def test_wrong_length_reward_stops_before_any_update_or_checkpoint(tiny, tmp_pat
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_hung_reward_function_stops_both_ranks_with_an_error_naming_it(tiny, tmp_path):
+    """A verifier that never returns would stall every rank forever (the others wait in the next
+    collective). Under torchrun, reward_timeout_s ends the stage with an error naming the function,
+    before any update or checkpoint."""
+    log = tmp_path / "torchrun.log"
+    t0 = time.monotonic()
+    rc = _finish(_torchrun(tiny, tmp_path / "out", log, rewards=[{"fn": "tests.faulty_rewards:hangs"}],
+                           reward_timeout_s=2), log)
+    text = log.read_text()
+    assert rc != 0, text[-3000:]
+    assert "RewardTimeoutError: reward function 'tests.faulty_rewards:hangs' took more than 2 s" in text
+    assert time.monotonic() - t0 < 300
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
 def _tweak_tokenizer(d: Path, **fields) -> None:
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, **fields}))

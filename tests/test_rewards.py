@@ -14,6 +14,7 @@ from grpo_core.rewards import (
     FORMAT_BONUS,
     MAX_REWARD,
     RewardSpec,
+    RewardTimeoutError,
     combine_rewards,
     extract_answer,
     format_ok,
@@ -321,6 +322,30 @@ def test_combine_rewards_errors():
         resolve_specs([(3, 1.0, "three")])
     with pytest.raises(ValueError, match="no reward functions"):
         resolve_specs([])
+
+
+def test_reward_time_limit_stops_a_hung_function_and_restores_the_alarm():
+    """A reward function stuck in a blocking call is interrupted after timeout_s with an error
+    naming it and the setting; afterwards no timer is left running and the previous SIGALRM
+    handler is back. Functions within the limit are unaffected."""
+    import signal
+    import time
+
+    def stuck(prompts, completions, **_):
+        time.sleep(60)
+
+    mine = signal.signal(signal.SIGALRM, signal.SIG_IGN)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RewardTimeoutError, match=r"'verifiers:stuck' took more than 0.3 s.*reward_timeout_s"):
+            combine_rewards([(stuck, 1.0, "verifiers:stuck")], ["q"], ["a"], {}, timeout_s=0.3)
+        assert time.monotonic() - t0 < 10
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+        assert signal.getsignal(signal.SIGALRM) is signal.SIG_IGN
+        totals, _ = combine_rewards([(format_reward, 1.0, "f")], ["q"], ["<answer>1</answer>"], {}, timeout_s=5)
+        assert totals == [0.2] and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    finally:
+        signal.signal(signal.SIGALRM, mine)
 
 
 def test_docstring_examples():
