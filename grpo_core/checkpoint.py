@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
 import random
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -55,12 +53,10 @@ def set_rng_state(state: dict) -> None:
 
 def save(ckpt_root: str | Path, iteration: int, model, optimizer, scheduler, state: dict) -> Path:
     """Write ``ckpt-<iteration>`` atomically under ``ckpt_root`` and return its path."""
-    root = Path(ckpt_root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / name_for(iteration)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}."))
-    try:
-        module = unwrap(model)
+    final = Path(ckpt_root) / name_for(iteration)
+    module = unwrap(model)
+
+    def fill(tmp: Path) -> None:
         weights = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
         _save_weights(weights, tmp / "model.safetensors")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
@@ -70,13 +66,10 @@ def save(ckpt_root: str | Path, iteration: int, model, optimizer, scheduler, sta
         manifest = {p.name: {"size": p.stat().st_size, "sha256": storage.sha256_file(p)}
                     for p in sorted(tmp.iterdir())}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        storage.fsync_tree(tmp)  # on disk before the rename: a power loss leaves old or new, whole
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        storage.fsync_dir(root)
+
+    try:
+        return storage.replace_dir(final, fill)  # temp dir, fsync, rename: old or new, never torn
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         # A full disk surfaces as OSError (ENOSPC/EFBIG) from Python, RuntimeError from
         # torch.save's zip writer and SafetensorError from safetensors: report all three alike.
         if isinstance(exc, (OSError, RuntimeError)) or type(exc).__name__ == "SafetensorError":
@@ -84,7 +77,6 @@ def save(ckpt_root: str | Path, iteration: int, model, optimizer, scheduler, sta
                           "checkpoint is intact. Free disk space or point output_dir elsewhere, "
                           "then resume.") from exc
         raise
-    return final
 
 
 def _save_weights(weights: dict, path: Path) -> None:

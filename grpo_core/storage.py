@@ -73,14 +73,14 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         raise
 
 
-def fsync_tree(path: str | Path) -> None:
-    """Flush every file under ``path``, then the directories, to the disk.
+def fsync_tree(root: str | Path) -> None:
+    """Flush every file under the directory ``root``, then the directories, to the disk.
 
     A rename is atomic but not durable by itself: after a power loss or kernel crash the new name
     can point at files whose data never reached the disk (short or empty files). Called on a
-    finished temporary directory before it is renamed into place, and on the parent after."""
-    path = Path(path)
-    entries = [path, *path.rglob("*")] if path.is_dir() else [path]
+    finished temporary directory before it is renamed into place (the rename itself is made
+    durable by ``fsync_dir`` on the parent)."""
+    entries = [Path(root), *Path(root).rglob("*")]
     for f in (e for e in entries if e.is_file()):
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
