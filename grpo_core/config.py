@@ -159,6 +159,12 @@ class GRPOConfig:
     naming it (a hung verifier would otherwise stall every rank forever); 0 disables the limit.
     Enforced with SIGALRM in the main thread: Python code and blocking system calls are
     interrupted, a C extension that never returns to Python is not."""
+    collective_timeout_s: float = 1800.0
+    """Seconds a rank waits for the others in one collective before the stage fails (instead of
+    hanging). Rank 0 alone saves and uploads checkpoints, and downloads the one to resume from,
+    while the other ranks wait in a barrier, so this must exceed the slowest such transfer.
+    torch's own defaults are 30 min on gloo but 10 min on nccl, shorter than a large model's
+    checkpoint upload to S3; this applies the same limit to both."""
     max_new_tokens: int = 32
     """Completion length cap; completions that hit it count as truncated."""
     max_prompt_tokens: int = 512
@@ -213,7 +219,7 @@ class GRPOConfig:
         for name in ("prompts_per_iter", "iterations", "mu", "max_new_tokens", "save_every",
                      "max_prompt_tokens", "keep_checkpoints", "eval_size", "sample_every"):
             _require(getattr(self, name) >= 1, f"{w}.{name}", f"must be >= 1, got {getattr(self, name)}")
-        for name in ("lr", "temperature", "top_p"):
+        for name in ("lr", "temperature", "top_p", "collective_timeout_s"):
             v = getattr(self, name)
             _require(math.isfinite(v) and v > 0, f"{w}.{name}", f"must be a finite number > 0, got {v}")
         for name in ("beta", "clip_low", "weight_decay", "max_grad_norm", "adv_eps", "reward_timeout_s"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,21 +26,44 @@ class DistInfo:
         return self.rank == 0
 
 
-def init() -> DistInfo:
-    """Join the torchrun process group (nccl on GPU, gloo on CPU), or run as one process."""
+class CollectiveTimeoutError(RuntimeError):
+    """A rank waited longer than the process group's timeout for the others in one collective."""
+
+
+def init(timeout_s: float | None = None) -> DistInfo:
+    """Join the torchrun process group (nccl on GPU, gloo on CPU), or run as one process.
+
+    ``timeout_s`` bounds how long a rank waits for the others in any one collective (None:
+    torch's default, 30 min on gloo and 10 min on nccl). On gloo the waiting rank raises a
+    RuntimeError (see :func:`as_timeout_error`); on nccl the watchdog aborts the process."""
     if "RANK" not in os.environ or dist.is_initialized():
         rank, world, local = (dist.get_rank(), dist.get_world_size(), 0) if dist.is_initialized() else (0, 1, 0)
         device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
         return DistInfo(rank, world, local, device)
     local = int(os.environ.get("LOCAL_RANK", 0))
+    timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", **timeout)
         device = torch.device("cuda", local)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **timeout)
         device = torch.device("cpu")
     return DistInfo(dist.get_rank(), dist.get_world_size(), local, device)
+
+
+def as_timeout_error(exc: BaseException, timeout_s: float, field: str) -> CollectiveTimeoutError | None:
+    """``exc`` restated as a CollectiveTimeoutError that says what happened and what to change,
+    or None when it is not a collective timeout. gloo reports one as a bare RuntimeError
+    ("Timed out waiting 5000ms for recv operation to complete"), which names neither."""
+    text = str(exc)
+    if not (isinstance(exc, RuntimeError) and "Timed out waiting" in text):
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return CollectiveTimeoutError(
+        f"rank {rank} waited more than {timeout_s:g} s ({field}) for another rank in a collective. "
+        "Another rank is stuck or slower than that: its log shows where. If it legitimately needs "
+        f"longer (rank 0 uploading or downloading a large checkpoint), raise {field}")
 
 
 def cleanup(finished: bool = True) -> None:

@@ -62,11 +62,14 @@ def main(argv=None) -> dict:
 
     if threads:
         torch.set_num_threads(int(threads))
-    info = dist.init()
+    info = dist.init(cfg.collective_timeout_s)
     try:
         summary = Trainer(cfg, info).run()
-    except BaseException:
+    except BaseException as exc:
+        timed_out = dist.as_timeout_error(exc, cfg.collective_timeout_s, f"stage '{cfg.stage}'.collective_timeout_s")
         dist.cleanup(finished=False)
+        if timed_out:
+            raise timed_out from exc
         raise
     dist.cleanup()
     return summary

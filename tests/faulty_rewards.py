@@ -35,3 +35,12 @@ def hangs(prompts, completions, **_):
     import time
     time.sleep(3600)
     return [0.0] * len(completions)
+
+
+def hangs_on_rank_1(prompts, completions, **_):
+    """Rank 1 stuck in its verifier while rank 0 goes on to the next collective."""
+    import os
+    import time
+    if os.environ.get("RANK") == "1":
+        time.sleep(3600)
+    return [0.0] * len(completions)

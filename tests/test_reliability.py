@@ -514,6 +514,31 @@ def test_hung_reward_function_stops_both_ranks_with_an_error_naming_it(tiny, tmp
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 
+def test_a_rank_stuck_outside_collectives_fails_the_stage_after_collective_timeout_s(tiny, tmp_path):
+    """Rank 1 hangs where no reward time limit applies (reward_timeout_s=0); rank 0 waits in the
+    next collective for collective_timeout_s, not torch's 30 min (gloo) or 10 min (nccl), then
+    fails with an error naming the field, and torchrun stops the stuck rank."""
+    log = tmp_path / "torchrun.log"
+    rc = _finish(_torchrun(tiny, tmp_path / "out", log, rewards=[{"fn": "tests.faulty_rewards:hangs_on_rank_1"}],
+                           reward_timeout_s=0, collective_timeout_s=5, stage="cur"), log)
+    text = log.read_text()
+    assert rc != 0, text[-3000:]
+    assert ("CollectiveTimeoutError: rank 0 waited more than 5 s (stage 'cur'.collective_timeout_s) "
+            "for another rank in a collective") in text, text[-3000:]
+    assert "raise stage 'cur'.collective_timeout_s" in text
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_only_collective_timeouts_are_restated():
+    from grpo_core.dist import as_timeout_error
+
+    gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+                        "Timed out waiting 5000ms for recv operation to complete")
+    assert "waited more than 5 s (x.collective_timeout_s)" in str(as_timeout_error(gloo, 5, "x.collective_timeout_s"))
+    for other in (RuntimeError("CUDA out of memory"), TimeoutError("Timed out waiting for S3"), ValueError("x")):
+        assert as_timeout_error(other, 5, "x") is None
+
+
 def _tweak_tokenizer(d: Path, **fields) -> None:
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, **fields}))

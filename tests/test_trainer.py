@@ -173,6 +173,7 @@ def test_torchrun_batch_scale_uses_the_std_over_all_ranks(tiny, tmp_path):
     ("lr=\"fast\"", "stage.lr"), ("gate_metric=\"eval_accuracy\"", "eval_every"),
     ("rewards=[{\"func\": \"x\"}]", "rewards\\[0\\]"),
     ("sampler=\"gumbel\"", "sampler.*inverse_cdf, multinomial"),
+    ("collective_timeout_s=0", r"stage 'grpo'\.collective_timeout_s: must be a finite number > 0"),
 ])
 def test_bad_stage_config_names_the_field(override, match):
     with pytest.raises(ConfigError, match=match):
