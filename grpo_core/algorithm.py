@@ -126,10 +126,15 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
 # Each takes per-token values x [B, T] and a float mask [B, T] (1 = real token) and returns a scalar.
 # All are linear in x, so the loss and its policy-gradient part can be aggregated independently.
 
-def _agg_grpo(x: Tensor, m: Tensor, **_) -> Tensor:
-    """Mean over each sequence's tokens, then over sequences (DeepSeekMath). Empty rows count as 0."""
+def _agg_grpo(x: Tensor, m: Tensor, *, global_sequence_count=None, world_size: int = 1, **_) -> Tensor:
+    """Mean over each sequence's tokens, then over sequences (DeepSeekMath). Empty rows count as 0.
+    With ``global_sequence_count`` (sequences summed over ranks): local sum * world_size / that
+    count, so DDP's mean over ranks is the mean over all sequences even when ranks hold different
+    numbers of them (dynamic sampling)."""
     per_seq = (x * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)  # [B]
-    return per_seq.mean()
+    if global_sequence_count is None:
+        return per_seq.mean()
+    return per_seq.sum() * world_size / max(float(global_sequence_count), 1.0)
 
 
 def _agg_bnpo(x: Tensor, m: Tensor, **_) -> Tensor:
@@ -145,12 +150,39 @@ def _agg_dapo(x: Tensor, m: Tensor, *, global_token_count=None, world_size: int 
     return (x * m).sum() * world_size / count
 
 
-def _agg_dr_grpo(x: Tensor, m: Tensor, *, max_completion_length=None, **_) -> Tensor:
-    """Sum / (B * max_completion_length): a constant denominator (Dr. GRPO), no length bias."""
-    return (x * m).sum() / (x.shape[0] * max_completion_length)
+def _agg_dr_grpo(x: Tensor, m: Tensor, *, max_completion_length=None, global_sequence_count=None,
+                 world_size: int = 1, **_) -> Tensor:
+    """Sum / (B * max_completion_length): a constant denominator (Dr. GRPO), no length bias. With
+    ``global_sequence_count``, B is that count and the sum is scaled by world_size (as grpo)."""
+    if global_sequence_count is None:
+        return (x * m).sum() / (x.shape[0] * max_completion_length)
+    return (x * m).sum() * world_size / (max(float(global_sequence_count), 1.0) * max_completion_length)
 
 
 LOSS_AGGREGATIONS = {"grpo": _agg_grpo, "bnpo": _agg_bnpo, "dapo": _agg_dapo, "dr_grpo": _agg_dr_grpo}
+
+
+def micro_batch_weight(loss_type: str, rows: int, total_rows: int, tokens: float, total_tokens: float,
+                       global_counts: bool = True) -> float:
+    """Factor for one micro-batch's ``grpo_loss`` so that the weighted losses of a rank's batch
+    split into micro-batches (of ``rows`` sequences and ``tokens`` active tokens each) sum to the
+    loss of the whole batch, and so do their gradients (gradient accumulation changes nothing).
+
+    bnpo divides by this batch's token count: tokens / total_tokens. With ``global_counts`` (the
+    caller passes the whole batch's global_token_count and global_sequence_count to every
+    micro-batch) dapo, grpo and dr_grpo are sums over the micro-batches already: 1. Without them
+    grpo and dr_grpo divide by the micro-batch's sequence count (rows / total_rows) and dapo falls
+    back to bnpo.
+    """
+    if loss_type not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss_type must be one of {tuple(LOSS_AGGREGATIONS)}, got {loss_type!r}")
+    if not 0 < rows <= total_rows:
+        raise ValueError(f"rows must be in 1..total_rows={total_rows}, got {rows}")
+    if loss_type == "bnpo" or (loss_type == "dapo" and not global_counts):
+        return float(tokens) / max(float(total_tokens), 1.0)
+    if loss_type in ("grpo", "dr_grpo") and not global_counts:
+        return rows / total_rows
+    return 1.0
 
 
 # ----------------------------------------------------------------------------- policy loss
@@ -181,7 +213,7 @@ def _validate_loss_args(logp, old_logp, ref_logp, advantages, mask, clip_low, cl
 def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor, mask: Tensor, *,
               clip_low: float = 0.2, clip_high: float | None = None, beta: float = 0.04, loss_type: str = "dapo",
               max_completion_length: int | None = None, global_token_count=None,
-              world_size: int = 1) -> tuple[Tensor, dict[str, float]]:
+              global_sequence_count=None, world_size: int = 1) -> tuple[Tensor, dict[str, float]]:
     """Clipped GRPO objective with a k3 KL penalty, aggregated by `loss_type`.
 
     logp:       [B, T] log-probs of the sampled tokens under the current policy (requires grad)
@@ -191,11 +223,16 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantage
     mask:       [B, T] bool, True on completion tokens that count; other positions are ignored
     Per token: -min(r*A, clip(r, 1-clip_low, 1+clip_high)*A) + beta*k3, r = exp(logp - old_logp).
     loss_type:  "grpo"    mean per sequence, then mean over the B sequences (empty sequences contribute 0);
+                          with global_sequence_count: sum of the per-sequence means * world_size / that count;
                 "bnpo"    sum / this batch's token count;
                 "dapo"    sum * world_size / global_token_count, where global_token_count is the active-token
                           count all-reduced over ranks and micro-batches; DDP's gradient mean then equals the
                           single-process gradient however the batch is split. None -> same as "bnpo";
-                "dr_grpo" sum / (B * max_completion_length).
+                "dr_grpo" sum / (B * max_completion_length); with global_sequence_count, B is that count and
+                          the sum is scaled by world_size.
+    global_sequence_count: sequences summed over ranks and micro-batches; makes grpo and dr_grpo independent
+                          of the split too (ranks holding different numbers of sequences, e.g. after dynamic
+                          sampling, would otherwise weight a sequence by 1 / its rank's count).
     Returns (loss scalar, stats of python floats): kl, clip_frac_low, clip_frac_high, clip_frac, ratio_mean,
     ratio_max, pg_loss (aggregated like the loss), num_tokens (local).
     """
@@ -219,7 +256,7 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantage
 
     agg = LOSS_AGGREGATIONS[loss_type]
     norm = dict(max_completion_length=max_completion_length, global_token_count=global_token_count,
-                world_size=world_size)
+                global_sequence_count=global_sequence_count, world_size=world_size)
     loss = agg(per_token, m, **norm)
     with torch.no_grad():
         low = masked_mean(((adv < 0) & (ratio < 1 - clip_low)).to(dtype), mask)

@@ -51,8 +51,10 @@ def set_rng_state(state: dict) -> None:
     random.setstate(_tuplify(state["python"]))
 
 
-def save(ckpt_root: str | Path, iteration: int, model, optimizer, scheduler, state: dict) -> Path:
-    """Write ``ckpt-<iteration>`` atomically under ``ckpt_root`` and return its path."""
+def save(ckpt_root: str | Path, iteration: int, model, optimizer, scheduler, state: dict,
+         extra_files: dict[str, Path] | None = None) -> Path:
+    """Write ``ckpt-<iteration>`` atomically under ``ckpt_root`` and return its path.
+    ``extra_files`` (name -> existing file) are copied in and covered by the manifest."""
     final = Path(ckpt_root) / name_for(iteration)
     module = unwrap(model)
 
@@ -63,6 +65,8 @@ def save(ckpt_root: str | Path, iteration: int, model, optimizer, scheduler, sta
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({**state, "iteration": iteration}, indent=1))
+        for name, src in (extra_files or {}).items():
+            shutil.copyfile(src, tmp / name)
         manifest = {p.name: {"size": p.stat().st_size, "sha256": storage.sha256_file(p)}
                     for p in sorted(tmp.iterdir())}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))

@@ -120,12 +120,17 @@ class GRPOConfig:
     """Rollout + update iterations in this stage (the most, if a promotion gate is set)."""
     mu: int = 1
     """Updates per rollout batch; 1 is on-policy (old log-probs = detached current ones)."""
+    micro_batch_groups: int = 0
+    """Groups per forward/backward in the update (gradient accumulation within a rank's batch):
+    bounds activation memory by this many groups instead of the rank's whole batch, with the same
+    gradient (up to float rounding) and one optimizer step. 0: all of the rank's groups at once."""
     lr: float = 1e-4
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_iters: int = 0
-    """Linear learning-rate warm-up iterations."""
+    """Linear learning-rate warm-up iterations (iterations, not optimizer steps: with mu > 1 every
+    update of an iteration uses that iteration's rate)."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm (0 disables clipping)."""
     beta: float = 0.04
@@ -229,6 +234,8 @@ class GRPOConfig:
         _require(self.top_p <= 1.0, f"{w}.top_p", f"must be <= 1.0, got {self.top_p}")
         _require(self.top_k >= 0 and self.warmup_iters >= 0 and self.eval_every >= 0,
                  w, "top_k, warmup_iters and eval_every must be >= 0")
+        _require(self.micro_batch_groups >= 0, f"{w}.micro_batch_groups",
+                 f"must be >= 0 (0 = all of a rank's groups at once), got {self.micro_batch_groups}")
         _require(self.arith_min <= self.arith_max, f"{w}.arith_min", "must be <= arith_max")
         _require(bool(self.arith_ops) and set(self.arith_ops) <= set("+-*"), f"{w}.arith_ops",
                  f"{self.arith_ops!r}: use a non-empty subset of '+-*'")

@@ -7,10 +7,10 @@ our choices so two runs or two libraries can be compared honestly.
 from __future__ import annotations
 
 NORMALISERS = {
-    "grpo": "mean over each sequence's tokens, then mean over sequences (DeepSeekMath)",
+    "grpo": "mean over each sequence's tokens, then mean over all ranks' sequences (DeepSeekMath)",
     "bnpo": "sum over masked tokens / masked-token count of the local batch",
     "dapo": "sum over masked tokens / masked-token count of the global batch (all-reduced over ranks)",
-    "dr_grpo": "sum over masked tokens / (sequences x max_completion_length) (Dr. GRPO)",
+    "dr_grpo": "sum over masked tokens / (all ranks' sequences x max_completion_length) (Dr. GRPO)",
 }
 SCALES = {"group": "(r - group mean) / (group std + eps)",
           "batch": "(r - group mean) / (std over all ranks' rewards + eps)",
@@ -35,6 +35,7 @@ def objective_card(cfg, world_size: int) -> dict:
                     else ("logp.detach() (on-policy, mu = 1): the ratio is exactly 1 in value, so the "
                           "reported loss is ~beta*KL while its gradient is the policy gradient"),
         "updates_per_batch": cfg.mu,
+        "micro_batch_groups": cfg.micro_batch_groups or "all of a rank's groups (no accumulation)",
         "truncated_completions": "masked out of the loss" if cfg.mask_truncated else "kept",
         "dynamic_sampling": cfg.dynamic_sampling,
         "world_size": world_size,

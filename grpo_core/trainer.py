@@ -8,16 +8,19 @@ commit points (and at the end): a crashed stage that resumes never logs a step t
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
 from grpo_core import checkpoint, dist, storage
-from grpo_core.algorithm import group_advantages, grpo_loss, informative_mask, masked_mean, std_from_moments
+from grpo_core.algorithm import (group_advantages, grpo_loss, informative_mask, masked_mean, micro_batch_weight,
+                                 std_from_moments)
 from grpo_core.config import METRICS_FILE
 from grpo_core.data import PromptStream, eval_rows, train_rows
 from grpo_core.evaluate import greedy_results
@@ -81,6 +84,32 @@ def _scored_without_grad(model, batch: RolloutBatch, temperature: float) -> torc
     return logp.clone()
 
 
+class _MergedStats:
+    """One update's statistics over its micro-batches, as if computed on the whole rank batch:
+    token means weighted by tokens, the losses summed with the micro-batch weights, max as max."""
+
+    MEANS = ("kl", "clip_frac_low", "clip_frac_high", "clip_frac", "ratio_mean", "entropy")
+
+    def __init__(self):
+        self.sums = dict.fromkeys(self.MEANS, 0.0)
+        self.tokens = self.loss = self.pg_loss = self.ratio_max = 0.0
+
+    def add(self, stats: dict, entropy: float, loss: float, weight: float) -> None:
+        """``stats`` of one micro-batch's grpo_loss, its entropy, its weighted loss and weight."""
+        n = stats["num_tokens"]
+        for k in self.MEANS:
+            self.sums[k] += (entropy if k == "entropy" else stats[k]) * n
+        self.tokens += n
+        self.loss += loss
+        self.pg_loss += stats["pg_loss"] * weight
+        self.ratio_max = max(self.ratio_max, stats["ratio_max"])
+
+    def result(self) -> dict:
+        means = {k: v / max(self.tokens, 1.0) for k, v in self.sums.items()}
+        return {**means, "loss": self.loss, "pg_loss": self.pg_loss, "ratio_max": self.ratio_max,
+                "num_tokens": self.tokens}
+
+
 def iteration_seed(seed: int, iteration: int, rank: int) -> int:
     return (seed * 1_000_003 + iteration * 7_919 + rank * 104_729) % (2**63 - 1)
 
@@ -131,19 +160,26 @@ class Trainer:
         if not path_str[0]:
             return 0
         self.state = checkpoint.load(path_str[0], self.model, self.opt, self.sched)
-        self._truncate_metrics(self.state["iteration"])
+        self._restore_metrics(Path(path_str[0]), self.state["iteration"])
         dist.print0(f"[{self.cfg.stage}] resumed from {path_str[0]} at iteration {self.state['iteration']}")
         return self.state["iteration"]
 
-    def _truncate_metrics(self, iteration: int) -> None:
-        f = self.metrics_path
-        if self.info.is_main and f.exists():
-            keep = [ln for ln in f.read_text().splitlines() if json.loads(ln)["iteration"] <= iteration]
-            storage.atomic_write_text(f, "".join(ln + "\n" for ln in keep))
+    def _restore_metrics(self, ckpt: Path, iteration: int) -> None:
+        """metrics.jsonl as it was at the checkpoint: its copy in the checkpoint (a flow ``resume``
+        runs in a fresh output_dir, and the summary, reward trend and curves read this file),
+        else this dir's own file cut back to the checkpoint's iteration (checkpoints from before
+        the copy existed)."""
+        f, saved = self.metrics_path, ckpt / METRICS_FILE
+        if not self.info.is_main or not (saved.exists() or f.exists()):
+            return
+        lines = (saved if saved.exists() else f).read_text().splitlines()
+        keep = [ln for ln in lines if json.loads(ln)["iteration"] <= iteration]
+        storage.atomic_write_text(f, "".join(ln + "\n" for ln in keep))
 
     def save_checkpoint(self, iteration: int) -> None:
         if self.info.is_main:
-            path = checkpoint.save(self.ckpt_dir, iteration, self.model, self.opt, self.sched, self.state)
+            extra = {METRICS_FILE: self.metrics_path} if self.metrics_path.exists() else {}
+            path = checkpoint.save(self.ckpt_dir, iteration, self.model, self.opt, self.sched, self.state, extra)
             if self.cfg.sync_uri:
                 storage.put_dir(path, storage.join(self.cfg.sync_uri, "checkpoints", path.name))
             checkpoint.prune(self.ckpt_dir, self.cfg.keep_checkpoints)
@@ -187,7 +223,10 @@ class Trainer:
             pool = RolloutBatch.concat([b for b in kept if len(b)], self.tok.pad_token_id) \
                 if any(len(b) for b in kept) else batch
             n_groups = min(pool.num_groups, drawn)
-            batch = pool.select_groups(torch.arange(pool.num_groups) < n_groups) if n_groups else batch
+            if n_groups:
+                batch = pool.select_groups(torch.arange(pool.num_groups) < n_groups)
+            else:  # nothing informative on this rank: it still runs the update (DDP) but adds nothing
+                batch.loss_rows = torch.zeros(len(batch), dtype=torch.bool)
             stats.update(dynamic_rounds=rounds, dynamic_drawn=drawn * (rounds + 1))
         batch.advantages = self.advantages(batch.rewards)
         self.timings["time_generate"] += time.perf_counter() - t0 - self.timings["time_reward"]
@@ -204,52 +243,79 @@ class Trainer:
         return group_advantages(rewards, c.group_size, scale=c.scale, eps=c.adv_eps, batch_std=batch_std)
 
     def update(self, batch: RolloutBatch) -> dict:
-        c = self.cfg
+        """mu clipped updates on one rollout batch, each one optimizer step over the rank's
+        micro-batches of ``micro_batch_groups`` groups (gradients accumulated; DDP all-reduces
+        once, after the last). The learning-rate schedule advances once per call (iteration),
+        whatever mu is and whether or not a step was skipped."""
+        stats = {**self._update(batch), "lr": self.sched.get_last_lr()[0]}  # the rate this iteration used
+        with warnings.catch_warnings():  # an iteration with nothing to learn steps the schedule alone
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before", UserWarning)
+            self.sched.step()
+        return stats
+
+    def _update(self, batch: RolloutBatch) -> dict:
+        c, dev = self.cfg, self.info.device
         mask = batch.completion_mask.clone()                                    # [B, T]
         if c.mask_truncated:
             mask &= ~batch.truncated.unsqueeze(1)
+        rows = batch.loss_rows if batch.loss_rows is not None else torch.ones(len(batch), dtype=torch.bool)
+        mask &= rows.unsqueeze(1)
+        # one collective: the loss normalisers over all ranks, so no rank's share depends on the split
+        global_tokens, global_rows = dist.all_reduce_sum([float(mask.sum()), float(rows.sum())], dev)
+        if global_tokens == 0:  # nothing to learn anywhere (e.g. every completion masked): no step
+            return dict.fromkeys(("kl", "loss", "pg_loss", "clip_frac", "clip_frac_low", "clip_frac_high",
+                                  "ratio_mean", "ratio_max", "entropy", "num_tokens", "grad_norm"), 0.0)
+        parts = batch.split_groups(c.micro_batch_groups)
+        masks = [mask] if len(parts) == 1 else list(mask.split([len(p) for p in parts]))
         t0 = time.perf_counter()
-        if self.ref is not None:
-            batch.ref_logp = _scored_without_grad(self.ref_scorer, batch, c.temperature)
-        if c.mu > 1:
-            batch.old_logp = _scored_without_grad(self.scorer, batch, c.temperature)
+        for part in parts:
+            if self.ref is not None:
+                part.ref_logp = _scored_without_grad(self.ref_scorer, part, c.temperature)
+            if c.mu > 1:
+                part.old_logp = _scored_without_grad(self.scorer, part, c.temperature)
         self.timings["time_ref"] += time.perf_counter() - t0
-        global_tokens = dist.all_reduce_sum([float(mask.sum())], self.info.device)[0]
-        dev = self.info.device
         for _ in range(c.mu):
-            logp, ent = completion_logprobs(self.ddp, batch, c.temperature, with_entropy=True)
-            old = batch.old_logp if batch.old_logp is not None else logp.detach()
-            loss, stats = grpo_loss(
-                logp, old.to(dev), None if batch.ref_logp is None else batch.ref_logp.to(dev),
-                batch.advantages.to(dev), mask.to(dev), clip_low=c.clip_low, clip_high=c.clip_high,
-                beta=c.beta, loss_type=c.loss_type, max_completion_length=c.max_new_tokens,
-                global_token_count=global_tokens, world_size=self.info.world_size)
             self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            stats["grad_norm"] = self._step(loss)
-            stats["loss"] = loss.item()
-            stats["entropy"] = masked_mean(ent, mask.to(dev)).item()
+            merged = _MergedStats()
+            for k, (part, pmask) in enumerate(zip(parts, masks)):
+                accumulate = k < len(parts) - 1 and isinstance(self.ddp, torch.nn.parallel.DistributedDataParallel)
+                with self.ddp.no_sync() if accumulate else contextlib.nullcontext():
+                    logp, ent = completion_logprobs(self.ddp, part, c.temperature, with_entropy=True)
+                    old = part.old_logp if part.old_logp is not None else logp.detach()
+                    loss, stats = grpo_loss(
+                        logp, old.to(dev), None if part.ref_logp is None else part.ref_logp.to(dev),
+                        part.advantages.to(dev), pmask.to(dev), clip_low=c.clip_low, clip_high=c.clip_high,
+                        beta=c.beta, loss_type=c.loss_type, max_completion_length=c.max_new_tokens,
+                        global_token_count=global_tokens, global_sequence_count=global_rows,
+                        world_size=self.info.world_size)
+                    weight = 1.0 if len(parts) == 1 else micro_batch_weight(
+                        c.loss_type, len(part), len(batch), float(pmask.sum()), float(mask.sum()))
+                    if weight != 1.0:
+                        loss = loss * weight
+                    loss.backward()
+                merged.add(stats, masked_mean(ent, pmask.to(dev)).item(), loss.item(), weight)
+            stats = merged.result()
+            stats["grad_norm"] = self._step(stats["loss"])
         self.timings["time_update"] += time.perf_counter() - t0
         return stats
 
-    def _step(self, loss) -> float:
+    def _step(self, loss: float) -> float:
         """Clip and apply the update, or skip it (and count) when anything is non-finite."""
         limit = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit).item()
-        bad = dist.all_reduce_max(float(not (math.isfinite(norm) and math.isfinite(loss.item()))))
+        bad = dist.all_reduce_max(float(not (math.isfinite(norm) and math.isfinite(loss))))
         if bad:
             self.opt.zero_grad(set_to_none=True)
             self.state["skipped_updates"] += 1
             self.state["nonfinite_in_a_row"] += 1
             if self.state["nonfinite_in_a_row"] >= MAX_NONFINITE_IN_A_ROW:
                 raise NonFiniteError(f"[{self.cfg.stage}] {MAX_NONFINITE_IN_A_ROW} non-finite updates in a row "
-                                     f"(non-finite loss or gradient norm; last on this rank: loss={loss.item()}, "
+                                     f"(non-finite loss or gradient norm; last on this rank: loss={loss}, "
                                      f"grad_norm={norm}); all were skipped, so the weights and the last good "
                                      "checkpoint are intact. Lower lr or check the rewards' scale.")
             return float("nan")
         self.state["nonfinite_in_a_row"] = 0
         self.opt.step()
-        self.sched.step()
         return norm
 
     # ---------------------------------------------------------------- metrics and evaluation
@@ -265,7 +331,7 @@ class Trainer:
         m = {"iteration": it, "reward": mean, "reward_std": math.sqrt(max(s[1] / n - mean ** 2, 0.0)),
              "informative_frac": s[7] / max(s[8], 1), "completion_len": s[5] / n,
              "truncated_frac": s[6] / n, "tokens_per_s": s[5] / max(seconds, 1e-9),
-             "lr": self.sched.get_last_lr()[0], "skipped_updates": self.state["skipped_updates"]}
+             "lr": upd["lr"], "skipped_updates": self.state["skipped_updates"]}
         if self.cfg.dynamic_sampling:
             m.update(informative_frac_kept=s[3] / max(s[4], 1), dynamic_rounds=roll["dynamic_rounds"],
                      dynamic_drawn=roll["dynamic_drawn"])
@@ -333,8 +399,11 @@ class Trainer:
             if start == 0:
                 self.tracker.log_params({**c.to_dict(), **{f"objective.{k}": v for k, v in card.items()}})
             self.tracker.log_artifact(str(self.out / "objective.json"))
-        promoted, it = False, start
-        for it in range(start + 1, c.iterations + 1):
+        # a checkpoint written when the gate fired ends the stage: resuming from it (a crash while
+        # saving the final model) must not train on past the gate
+        promoted = c.gate_metric is not None and self.state["gate_hits"] >= c.gate_patience
+        it, last = start, start if promoted else c.iterations
+        for it in range(start + 1, last + 1):
             self.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
             torch.manual_seed(iteration_seed(c.seed, it, self.info.rank))
             t0 = time.perf_counter()

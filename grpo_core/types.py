@@ -25,6 +25,7 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None    # [B] group-relative advantage
     old_logp: torch.Tensor | None = None      # [B, T] behaviour log-probs (mu > 1 only)
     ref_logp: torch.Tensor | None = None      # [B, T] reference log-probs (beta > 0 only)
+    loss_rows: torch.Tensor | None = None     # [B] bool: rows the loss counts (None: all of them)
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -43,7 +44,17 @@ class RolloutBatch:
             self.completion_mask[rows], self.truncated[rows], self.group_size,
             [self.prompts[i] for i in idx], [self.completions[i] for i in idx],
             {k: [v[i] for i in idx] for k, v in self.columns.items()},
-            pick(self.rewards), pick(self.advantages), pick(self.old_logp), pick(self.ref_logp))
+            pick(self.rewards), pick(self.advantages), pick(self.old_logp), pick(self.ref_logp),
+            pick(self.loss_rows))
+
+    def split_groups(self, groups_per_part: int) -> list["RolloutBatch"]:
+        """Consecutive parts of at most ``groups_per_part`` whole groups (micro-batches of the
+        update); 0, or at least ``num_groups``, gives ``[self]``."""
+        if groups_per_part <= 0 or groups_per_part >= self.num_groups:
+            return [self]
+        ids = torch.arange(self.num_groups)
+        return [self.select_groups((ids >= a) & (ids < a + groups_per_part))
+                for a in range(0, self.num_groups, groups_per_part)]
 
     @staticmethod
     def concat(batches: list["RolloutBatch"], pad_id: int) -> "RolloutBatch":
@@ -64,4 +75,4 @@ class RolloutBatch:
             torch.cat([b.truncated for b in batches]), batches[0].group_size,
             sum((b.prompts for b in batches), []), sum((b.completions for b in batches), []),
             {k: sum((b.columns[k] for b in batches), []) for k in batches[0].columns},
-            cat("rewards"), cat("advantages"))
+            cat("rewards"), cat("advantages"), loss_rows=cat("loss_rows"))

@@ -27,3 +27,23 @@ def stage_args(**fields) -> list[str]:
 def same_weights(a: Path, b: Path) -> bool:
     wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def fixed_rollout_batch(groups: int = 2, shared_prompts: bool = True):
+    """A fixed RolloutBatch of ``groups`` groups of 4 (uneven completion lengths, rewards that
+    make every group informative), for update tests. groups=2 is the 8-row batch the DDP test
+    has always used."""
+    from grpo_core.types import RolloutBatch
+
+    g = torch.Generator().manual_seed(0)
+    B, P, T = 4 * groups, 5, 7
+    lengths = torch.tensor(([7, 1, 2, 6, 7, 7, 5, 7] + [3, 7, 4, 1, 6, 2, 7, 5] * groups)[:B])
+    mask = torch.arange(T)[None] < lengths[:, None]
+    prompt_ids = torch.randint(10, 60, (B, P), generator=g)
+    if shared_prompts:
+        prompt_ids = prompt_ids[::4].repeat_interleave(4, 0)
+    batch = RolloutBatch(prompt_ids, torch.ones(B, P, dtype=torch.long),
+                         torch.randint(10, 60, (B, T), generator=g), mask, lengths == T,
+                         4, [""] * B, [""] * B)
+    batch.rewards = torch.tensor(([1., 0, 0, 1, 0.5, 0, 1, 1] + [0, 1, 1, 0.5, 1, 1, 0, 0.25] * groups)[:B])
+    return batch

@@ -12,6 +12,7 @@ from grpo_core.algorithm import (
     informative_mask,
     k3_kl,
     masked_mean,
+    micro_batch_weight,
     token_entropy,
     token_logprobs,
 )
@@ -374,6 +375,68 @@ def test_dapo_split_invariance_across_ranks_and_microbatches():
     bnpo = [_policy_grad(w, feats, old, adv, mask, slice(0, 3), loss_type="bnpo"),
             _policy_grad(w, feats, old, adv, mask, slice(3, 8), loss_type="bnpo")]
     assert not torch.allclose((bnpo[0] + bnpo[1]) / 2, full, rtol=1e-3)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_global_counts_make_uneven_rank_splits_and_micro_batches_invariant(loss_type):
+    """Ranks holding 3 and 5 sequences (dynamic sampling keeps different numbers per rank), each in
+    two micro-batches weighted by micro_batch_weight: DDP's mean equals one process's gradient."""
+    g = torch.Generator().manual_seed(5)
+    B, T, F = 8, 6, 4
+    feats = torch.randn(B, T, F, generator=g, dtype=torch.float64)
+    w = torch.randn(F, generator=g, dtype=torch.float64)
+    old = -torch.nn.functional.softplus(feats @ w) + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, T, generator=g) < 0.6
+    mask[0, :] = True
+    counts = dict(global_token_count=int(mask.sum()), global_sequence_count=B, world_size=2, max_completion_length=T)
+    full = _policy_grad(w, feats, old, adv, mask, slice(0, B), loss_type=loss_type, max_completion_length=T)
+    ranks = [[slice(0, 1), slice(1, 3)], [slice(3, 4), slice(4, 8)]]
+    rank_grads = []
+    for mbs in ranks:
+        rows = sum(m.stop - m.start for m in mbs)
+        tokens = sum(int(mask[m].sum()) for m in mbs)
+        rank_grads.append(sum(micro_batch_weight(loss_type, m.stop - m.start, rows, int(mask[m].sum()), tokens)
+                              * _policy_grad(w, feats, old, adv, mask, m, loss_type=loss_type, **counts)
+                              for m in mbs))
+    torch.testing.assert_close((rank_grads[0] + rank_grads[1]) / 2, full, rtol=1e-12, atol=1e-14)
+    # without the global sequence count, the 3-row rank's sequences weigh 5/3 of the others'
+    local = [_policy_grad(w, feats, old, adv, mask, r, loss_type=loss_type, max_completion_length=T,
+                          global_token_count=counts["global_token_count"], world_size=2)
+             for r in (slice(0, 3), slice(3, 8))]
+    if loss_type != "dapo":
+        assert not torch.allclose((local[0] + local[1]) / 2, full, rtol=1e-3)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("global_counts", [True, False])
+def test_micro_batch_weights_sum_micro_losses_to_the_batch_loss(loss_type, global_counts):
+    """One rank, 7 sequences in micro-batches of 2, 4 and 1: the weighted micro-batch losses and
+    gradients sum to the whole batch's, with or without global counts passed to grpo_loss."""
+    g = torch.Generator().manual_seed(9)
+    B, T, F = 7, 5, 3
+    feats = torch.randn(B, T, F, generator=g, dtype=torch.float64)
+    w = torch.randn(F, generator=g, dtype=torch.float64)
+    old = -torch.nn.functional.softplus(feats @ w) + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, T, generator=g) < 0.5
+    mask[6] = False  # an empty sequence in a micro-batch of its own
+    kw = dict(loss_type=loss_type, max_completion_length=T)
+    if global_counts:
+        kw.update(global_token_count=int(mask.sum()), global_sequence_count=B)
+    full = _policy_grad(w, feats, old, adv, mask, slice(0, B), **kw)
+    parts = [slice(0, 2), slice(2, 6), slice(6, 7)]
+    total = sum(micro_batch_weight(loss_type, p.stop - p.start, B, int(mask[p].sum()), int(mask.sum()),
+                                   global_counts=global_counts) * _policy_grad(w, feats, old, adv, mask, p, **kw)
+                for p in parts)
+    torch.testing.assert_close(total, full, rtol=1e-12, atol=1e-14)
+
+
+def test_micro_batch_weight_validation():
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        micro_batch_weight("ppo", 1, 2, 1, 2)
+    with pytest.raises(ValueError, match=r"rows must be in 1\.\.total_rows=2, got 3"):
+        micro_batch_weight("grpo", 3, 2, 1, 2)
 
 
 # ----------------------------------------------------------------------------- chunked log-probs and entropy

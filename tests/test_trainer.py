@@ -60,6 +60,34 @@ def test_resume_after_crash_is_bitwise_equal_to_uninterrupted(tiny, tmp_path):
     assert its == [1, 2, 3, 4, 5, 6]  # no duplicated iterations after the resume
 
 
+def test_resume_after_the_gate_fired_finishes_the_stage_without_training_on(tiny, tmp_path):
+    """The gate fires at iteration 2 and the process dies before the final model is saved: the
+    re-run finishes from that checkpoint (it used to train iterations 3..6 past the gate)."""
+    gate = dict(gate_metric="reward", gate_threshold=0.0, gate_patience=2, save_every=10)
+    straight = main(_stage(tiny, tmp_path / "straight", **gate))
+    assert straight["iterations_run"] == 2 and straight["promoted_by_gate"]
+    with pytest.raises(RuntimeError, match="injected failure at iteration 2"):
+        main(_stage(tiny, tmp_path / "crashed", fail_at_iteration=2, **gate))
+    resumed = main(_stage(tiny, tmp_path / "crashed", **gate))
+    assert (resumed["iterations_run"], resumed["promoted_by_gate"], resumed["resumed_from_iteration"]) == (2, True, 2)
+    assert same_weights(tmp_path / "straight" / "final", tmp_path / "crashed" / "final")
+
+
+def test_resume_into_a_fresh_output_dir_restores_the_metrics_history(tiny, tmp_path):
+    """A flow ``resume`` runs the failed stage in a new output_dir, resuming from the origin run's
+    checkpoints: the summary's first point, reward trend and curves still cover iterations 1..6."""
+    straight = main(_stage(tiny, tmp_path / "straight"))
+    with pytest.raises(RuntimeError, match="injected failure at iteration 5"):
+        main(_stage(tiny, tmp_path / "origin", fail_at_iteration=5))
+    resumed = main(_stage(tiny, tmp_path / "resumed", resume_from=[str(tmp_path / "origin")]))
+    assert resumed["resumed_from_iteration"] == 4
+    its = [json.loads(ln)["iteration"] for ln in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert its == [1, 2, 3, 4, 5, 6]
+    assert json.dumps(resumed["reward_trend"]) == json.dumps(straight["reward_trend"])  # (NaN intervals)
+    assert (resumed["first"]["iteration"], resumed["first"]["reward"]) == (1, straight["first"]["reward"])
+    assert same_weights(tmp_path / "straight" / "final", tmp_path / "resumed" / "final")
+
+
 COMPILED_RUN = """import sys, torch
 from grpo_core.models import unwrap
 from grpo_core.train import main
@@ -127,13 +155,14 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tiny, tmp_path):
     assert found.name == "ckpt-000002"
 
 
-def _update(tiny, out, nproc, loss_type, prompts="shared", scale="group"):
+def _update(tiny, out, nproc, loss_type, prompts="shared", scale="group", micro_batch_groups=0, groups=2,
+            rank0_groups=0):
     script = str(REPO / "tests" / "ddp_update_check.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
            if nproc > 1 else [sys.executable, script])
-    run = subprocess.run(cmd + [str(tiny), str(out), loss_type, prompts, scale], env=env, capture_output=True,
-                         text=True, timeout=300)
+    args = [str(tiny), str(out), loss_type, prompts, scale, str(micro_batch_groups), str(groups), str(rank0_groups)]
+    run = subprocess.run(cmd + args, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"{' '.join(cmd[2:4])} exited {run.returncode}:\n{run.stderr[-6000:]}"
     grads = load_file(str(out))
     return grads, grads.pop("shared_prefix_calls").item()
@@ -154,6 +183,121 @@ def test_torchrun_two_ranks_equal_one_process_update_for_dapo(tiny, tmp_path, pr
     if prompts == "shared":  # bnpo normalises per rank, so the same split gives a different update
         two_bnpo, _ = _update(tiny, tmp_path / "two_bnpo.st", 2, "bnpo", prompts)
         assert any(not torch.allclose(one[k], two_bnpo[k], atol=1e-7, rtol=1e-4) for k in one)
+
+
+def test_torchrun_micro_batches_accumulate_to_the_one_process_full_batch_gradient(tiny, tmp_path):
+    """4 groups: one process, whole batch at once, against two ranks of 2 groups each scored one
+    group at a time (DDP no_sync on the first micro-batch, one all-reduce after the second)."""
+    one, one_calls = _update(tiny, tmp_path / "one.st", 1, "dapo", groups=4)
+    two, two_calls = _update(tiny, tmp_path / "two.st", 2, "dapo", micro_batch_groups=1, groups=4)
+    assert (one_calls, two_calls) == (2, 4)  # rank 0: reference + policy, per micro-batch
+    assert max(g.abs().max().item() for g in one.values()) > 1e-4
+    assert one.keys() == two.keys()
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-7, rtol=1e-4), k
+    half, _ = _update(tiny, tmp_path / "half.st", 1, "dapo", groups=2)  # a different batch: a different gradient
+    assert any(not torch.allclose(one[k], half[k], atol=1e-7, rtol=1e-4) for k in one)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
+def test_torchrun_uneven_rank_batches_equal_one_process_update(tiny, tmp_path, loss_type):
+    """Dynamic sampling can leave ranks with different numbers of groups (here 2 and 1). grpo and
+    dr_grpo normalise by the sequence count over all ranks, so a sequence weighs the same on either
+    rank and the update equals one process's (a per-rank mean gave gradients 40% off)."""
+    one, _ = _update(tiny, tmp_path / "one.st", 1, loss_type, groups=3)
+    two, _ = _update(tiny, tmp_path / "two.st", 2, loss_type, groups=3, rank0_groups=2)
+    assert max(g.abs().max().item() for g in one.values()) > 1e-4
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-7, rtol=1e-4), k
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+def test_micro_batches_give_the_full_batch_update_for_every_loss_type(tiny, tmp_path, loss_type):
+    """One process, 4 groups, beta > 0, mask_truncated, mu=2: the update in micro-batches of 1 and
+    of 3 groups (uneven parts) gives the whole batch's gradients and logged statistics."""
+    from grpo_core import dist
+    from grpo_core.trainer import Trainer
+    from tests.helpers import fixed_rollout_batch
+
+    results = {}
+    for micro in (0, 1, 3):
+        cfg = load_config(None, [a.removeprefix("--set=") for a in _stage(
+            tiny, tmp_path / str(micro), loss_type=loss_type, beta=0.04, mu=2, mask_truncated=True,
+            max_new_tokens=7, max_grad_norm=0.0, lr=1e-7, micro_batch_groups=micro)])
+        trainer = Trainer(cfg, dist.init())
+        batch = fixed_rollout_batch(4)
+        batch.advantages = trainer.advantages(batch.rewards)
+        trainer.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
+        stats = trainer.update(batch)
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        results[micro] = grads, stats  # the second update's gradient (weights: Adam's first step turns
+        # float noise in near-zero gradients into +-lr, so gradients are what compares to tolerance)
+    grads, stats = results[0]
+    assert max(g.abs().max().item() for g in grads.values()) > 1e-4
+    lengths = batch.completion_mask.sum(-1)
+    assert stats["num_tokens"] == lengths[lengths < 7].sum().item()  # mask_truncated
+    for micro in (1, 3):
+        g, s = results[micro]
+        for k in grads:
+            assert torch.allclose(grads[k], g[k], atol=1e-7, rtol=1e-4), (micro, k)
+        for k in ("loss", "pg_loss", "kl", "clip_frac", "ratio_mean", "ratio_max", "entropy", "num_tokens"):
+            assert s[k] == pytest.approx(stats[k], rel=1e-5, abs=1e-7), (micro, k)
+
+
+def _in_process_trainer(tiny, out, **kw):
+    from grpo_core import dist
+    from grpo_core.trainer import Trainer
+
+    trainer = Trainer(load_config(None, [a.removeprefix("--set=") for a in _stage(tiny, out, **kw)]), dist.init())
+    trainer.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
+    return trainer
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_rows_outside_the_loss_add_nothing_and_an_empty_update_takes_no_step(tiny, tmp_path, loss_type):
+    """A rank left with no informative group under dynamic sampling still runs the update (DDP
+    needs every rank) with ``loss_rows`` False: its rows change neither the gradient nor the
+    normalisers. With no row left anywhere there is no optimizer step, but the schedule advances."""
+    from tests.helpers import fixed_rollout_batch
+
+    kw = dict(loss_type=loss_type, mu=1, max_grad_norm=0.0, lr=1e-2)
+    grads = []
+    for n, out in ((4, "masked"), (2, "subset")):
+        trainer = _in_process_trainer(tiny, tmp_path / out, **kw)
+        batch = fixed_rollout_batch(4)
+        batch.advantages = trainer.advantages(batch.rewards)
+        if n == 4:
+            batch.loss_rows = torch.arange(16) < 8  # groups 2 and 3 out of the loss
+        else:
+            batch = batch.select_groups(torch.tensor([True, True, False, False]))
+        trainer.update(batch)
+        grads.append({k: p.grad.clone() for k, p in trainer.model.named_parameters()})
+    assert max(g.abs().max().item() for g in grads[0].values()) > 1e-4
+    for k in grads[0]:
+        assert torch.allclose(grads[0][k], grads[1][k], atol=1e-7, rtol=1e-4), k
+
+    trainer = _in_process_trainer(tiny, tmp_path / "empty", warmup_iters=2, **kw)
+    before = {k: p.detach().clone() for k, p in trainer.model.state_dict().items()}
+    batch = fixed_rollout_batch(2)
+    batch.advantages = trainer.advantages(batch.rewards)
+    batch.loss_rows = torch.zeros(8, dtype=torch.bool)
+    stats = trainer.update(batch)
+    assert stats["grad_norm"] == 0.0 and stats["num_tokens"] == 0.0 and stats["lr"] == pytest.approx(5e-3)
+    assert not trainer.opt.state  # AdamW never stepped (its moments would move zero-gradient weights)
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    assert trainer.sched.get_last_lr()[0] == pytest.approx(1e-2)
+
+
+def test_warmup_counts_iterations_whatever_mu_is(tiny, tmp_path):
+    """warmup_iters=4: iterations 1..3 use 1/4, 2/4, 3/4 of lr with mu=3 as with mu=1 (the
+    schedule used to advance once per optimizer step, ending a 4-iteration warm-up inside the
+    second iteration at mu=3). The logged lr is the one the iteration used."""
+    lrs = {}
+    for mu in (1, 3):
+        main(_stage(tiny, tmp_path / str(mu), iterations=3, mu=mu, warmup_iters=4, lr=1e-3, save_every=3))
+        rows = [json.loads(ln) for ln in (tmp_path / str(mu) / "metrics.jsonl").read_text().splitlines()]
+        lrs[mu] = [r["lr"] for r in rows]
+    assert lrs[1] == lrs[3] == pytest.approx([2.5e-4, 5e-4, 7.5e-4])
 
 
 def test_torchrun_batch_scale_uses_the_std_over_all_ranks(tiny, tmp_path):
