@@ -204,7 +204,7 @@ class _Stepper:
 
 
 @torch.inference_mode()
-def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: int, eos_id: int, pad_id: int,
+def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: int, eos_id, pad_id: int,
                          temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
                          step_logits: list | None = None, compact_below: float = 0.75,
                          sampler: str = "inverse_cdf"):
@@ -212,7 +212,8 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
 
     Each prompt is prefilled once; its K/V are copied G times into buffers of P + T slots that the
     decode steps fill in place and attend over up to the current slot (``_Stepper``). Finished rows
-    get ``pad_id``, as generate does; decoding stops once every row has emitted EOS. If
+    get ``pad_id``, as generate does; decoding stops once every row has emitted EOS (``eos_id``:
+    one id or a list of stop ids, any of which ends a row). If
     ``step_logits`` is a list, the raw float32 logits of each step [B, V] are appended to it
     (zeros for rows no longer decoded).
 
@@ -235,6 +236,7 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
     logits = out.logits[:, -1].float().repeat_interleave(G, 0)              # [B, V]
     step = _Stepper(model, cache, mask, G, T)
     del out, cache
+    stop = torch.as_tensor(eos_id, device=dev).flatten()                      # [S] stop ids
     tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)       # [B, T]
     rows = torch.arange(B, device=dev)                                       # [b] rows still decoded
     unfinished = torch.ones(B, dtype=torch.bool, device=dev)                 # [b]
@@ -249,7 +251,7 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
                    else torch.multinomial(probs, num_samples=1).squeeze(1))  # [b]
         nxt = torch.where(unfinished, nxt, pad_id)
         tokens[rows, t] = nxt
-        unfinished &= nxt != eos_id
+        unfinished &= (nxt != stop[0]) if len(stop) == 1 else ~torch.isin(nxt, stop)
         left = int(unfinished.sum())
         if t == T - 1 or left == 0:
             break

@@ -52,8 +52,11 @@ class GreedyCausalLM(PythonModel):
         model_dir = context.artifacts["model_dir"]
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        self.model.generation_config = GenerationConfig(pad_token_id=self.tok.pad_token_id,
-                                                        eos_token_id=self.tok.eos_token_id)
+        # stop where training and evaluation stopped: the tokenizer's eos, then the checkpoint's others
+        listed = self.model.generation_config.eos_token_id
+        stop = [self.tok.eos_token_id] + [i for i in ([listed] if isinstance(listed, int) else listed or [])
+                                          if i != self.tok.eos_token_id]
+        self.model.generation_config = GenerationConfig(pad_token_id=self.tok.pad_token_id, eos_token_id=stop)
         self.max_new_tokens = int((context.model_config or {}).get("max_new_tokens", 256))
 
     def render(self, question: str) -> str:

@@ -34,9 +34,24 @@ def encode_prompts(tok, prompts: list[str], max_prompt_tokens: int, ids: list[st
     return enc["input_ids"], enc["attention_mask"]
 
 
-def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bool mask of tokens up to and including the first EOS [B, T], and truncated flags [B]."""
-    is_eos = completion_ids == eos_id                                       # [B, T]
+def stop_token_ids(model, tok) -> list[int]:
+    """The ids that end a completion: the tokenizer's eos first, then any other the checkpoint's
+    generation_config lists. Chat models often end a turn with a token other than the
+    tokenizer's eos (Llama-3-Instruct's ``<|eot_id|>`` beside ``<|end_of_text|>``; Qwen2.5 lists
+    ``<|im_end|>`` and ``<|endoftext|>``); stopping at only one would let every completion run to
+    max_new_tokens and show the rewards text past the real end of the answer."""
+    ids = [int(tok.eos_token_id)]
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for i in [listed] if isinstance(listed, int) else list(listed or []):
+        if int(i) not in ids:
+            ids.append(int(i))
+    return ids
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_id) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool mask of tokens up to and including the first stop token [B, T], and truncated flags
+    [B]. ``eos_id``: one id or a list of them (``stop_token_ids``)."""
+    is_eos = torch.isin(completion_ids, torch.as_tensor(eos_id, device=completion_ids.device))  # [B, T]
     seen_before = (is_eos.cumsum(-1) - is_eos.long()) > 0                   # an EOS strictly earlier
     return ~seen_before, ~is_eos.any(-1)
 
@@ -57,15 +72,15 @@ def generate_rollouts(model, tok, rows: list[dict], group_size: int, *, temperat
     ids, mask = ids.to(model.device), mask.to(model.device)                  # [N, P]
     fast = engine == "fast" or (engine == "auto" and decode.fast_decode_supported(model))
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
+    stop = stop_token_ids(model, tok)
     if fast:
         comp = decode.sample_shared_prefix(model, ids, mask, group_size, max_new_tokens=max_new_tokens,
-                                    eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, sampler=sampler, **sampling)
+                                           eos_id=stop, pad_id=tok.pad_token_id, sampler=sampler, **sampling)
     else:
-        comp = _generate(model, ids, mask, group_size, max_new_tokens, tok.eos_token_id, tok.pad_token_id,
-                         **sampling)
+        comp = _generate(model, ids, mask, group_size, max_new_tokens, stop, tok.pad_token_id, **sampling)
     ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # [B, P]
     comp = comp.clone()  # [B, T]; a normal tensor again (not an inference tensor), usable by autograd
-    cmask, truncated = completion_mask(comp, tok.eos_token_id)
+    cmask, truncated = completion_mask(comp, stop)
     comp = comp.masked_fill(~cmask, tok.pad_token_id)
     texts = tok.batch_decode(comp, skip_special_tokens=True)
     columns = {k: [r[k] for r in rows for _ in range(group_size)] for k in rows[0] if k != "prompt"}

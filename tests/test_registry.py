@@ -166,22 +166,30 @@ def test_registered_model_answers_as_the_evaluation_measured(sqlite_uri, model_d
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
+    questions = ["12+3=", "what is 7 * 8?", "(4-1)*2="]
     torch.manual_seed(0)
     with torch.no_grad():  # large random weights: argmax far from ties, answers differ per prompt
         for p in model.parameters():
             p.normal_(0, 0.3)
     tok.chat_template = "q: {{ messages[0]['content'] }} a:"
-    model.generation_config.update(repetition_penalty=3.0, no_repeat_ngram_size=1)
+    rows = [{"id": q, "prompt": q, "gold": "0"} for q in questions]
+    # a turn-end token the checkpoint lists beside the tokenizer's eos (as Llama-3-Instruct's
+    # <|eot_id|>): the third character of the first greedy answer (one token per character)
+    free = greedy_results(model, tok, rows[:1], max_new_tokens=8, batch_size=1)[0]["completion"]
+    assert len(free) >= 4 and free[2] not in free[:2]
+    turn_end = tok.convert_tokens_to_ids(free[2])
+    assert turn_end != tok.unk_token_id
+    model.generation_config.update(repetition_penalty=3.0, no_repeat_ngram_size=1,
+                                   eos_token_id=[tok.eos_token_id, turn_end])
     checkpoint = tmp_path / "checkpoint"
     model.save_pretrained(checkpoint)
     tok.save_pretrained(checkpoint)
-    questions = ["12+3=", "what is 7 * 8?", "(4-1)*2="]
 
     assert _register(sqlite_uri, str(checkpoint), 30, name="grpo-render")["decision"] == "first"
     served = load_model(sqlite_uri, "grpo-render", max_new_tokens=8).predict(questions)
-    evaluated = greedy_results(model, tok, [{"id": q, "prompt": q, "gold": "0"} for q in questions],
-                               max_new_tokens=8, batch_size=1)
+    evaluated = greedy_results(model, tok, rows, max_new_tokens=8, batch_size=1)
     assert served == [r["completion"] for r in evaluated]
+    assert served[0] == free[:3]  # both stopped at (and kept, as they keep an eos) the turn-end token
     # the test can tell: the checkpoint's processors on the raw question answer differently
     naive = []
     for q in questions:

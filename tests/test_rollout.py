@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from grpo_core.models import build_tiny
-from grpo_core.rollout import completion_mask, encode_prompts, generate_rollouts
+from grpo_core.rollout import completion_mask, encode_prompts, generate_rollouts, stop_token_ids
 from grpo_core.scoring import completion_logprobs, forward_inputs
 from grpo_core.types import RolloutBatch
 
@@ -74,6 +74,40 @@ def test_completion_mask_stops_after_first_eos_and_flags_truncation():
     mask, truncated = completion_mask(comp, eos)
     assert mask.tolist() == [[True, True, True, False, False], [True] * 5, [True, False, False, False, False]]
     assert truncated.tolist() == [False, True, False]
+
+
+def test_completion_mask_stops_at_any_of_several_stop_ids():
+    comp = torch.tensor([[5, 2, 7, 0], [5, 6, 1, 0], [5, 6, 7, 8]])
+    mask, truncated = completion_mask(comp, [1, 2])
+    assert mask.tolist() == [[True, True, False, False], [True, True, True, False], [True] * 4]
+    assert truncated.tolist() == [False, False, True]
+
+
+def test_stop_token_ids_add_the_checkpoints_other_eos_ids():
+    model, tok = _model()
+    eos = tok.eos_token_id
+    for listed, want in ((None, [eos]), (eos, [eos]), (7, [eos, 7]), ([7, eos, 9], [eos, 7, 9])):
+        model.generation_config.eos_token_id = listed
+        assert stop_token_ids(model, tok) == want, listed
+
+
+@pytest.mark.parametrize("engine", ["fast", "generate"])
+def test_rollouts_stop_at_a_turn_end_token_the_generation_config_lists(engine):
+    """A chat checkpoint whose turns end with a token other than the tokenizer's eos (listed in
+    its generation_config, as Llama-3-Instruct's <|eot_id|>): sampling, the completion mask and
+    the text all stop there, on the decoder and on the generate fallback alike."""
+    model, tok = _model()
+    greedy = dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, max_prompt_tokens=256,
+                  greedy=True, engine=engine)
+    free = generate_rollouts(model, tok, ROWS[:1], 1, **greedy)
+    assert free.truncated.all()  # this prompt runs to max_new_tokens without a stop
+    turn_end = int(free.completion_ids[0, 2])  # the third token it emits becomes a stop id
+    assert turn_end not in free.completion_ids[0, :2].tolist()
+    model.generation_config.eos_token_id = [tok.eos_token_id, turn_end]
+    stopped = generate_rollouts(model, tok, ROWS[:1], 1, **greedy)
+    assert stopped.completion_mask.sum().item() == 3 and not stopped.truncated.any()
+    assert stopped.completion_ids[0, :3].tolist() == free.completion_ids[0, :3].tolist()
+    assert free.completions[0].startswith(stopped.completions[0]) and len(stopped.completions[0]) < len(free.completions[0])
 
 
 def test_rollout_batch_is_group_contiguous_with_columns():
