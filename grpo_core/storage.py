@@ -100,8 +100,10 @@ def fsync_dir(path: str | Path) -> None:
 def replace_dir(dest: str | Path, fill) -> Path:
     """Build a directory with ``fill(tmp_dir)`` beside ``dest``, then swap it into place.
 
-    Readers see the old or the new directory, never a half-written one; if ``fill`` fails (a full
-    disk), the old directory stays and no temporary directory is left behind.
+    Readers see the old or the new directory, never a half-written one (when ``dest`` existed,
+    there is an instant between the two renames in which it is absent: POSIX has no atomic swap
+    of directories; a crash there leaves the new one complete beside it, ``.<name>.<random>``);
+    if ``fill`` fails (a full disk), the old directory stays and no temporary directory is left.
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -130,13 +132,19 @@ def _s3_error(exc: Exception, bucket: str, key: str) -> RuntimeError:
 
 
 def put_dir(local_dir: str | Path, uri: str) -> str:
-    """Copy a directory tree to ``uri`` (replacing what was there) and return ``uri``."""
+    """Copy a directory tree to ``uri`` (replacing what was there) and return ``uri``.
+
+    On S3 every file is uploaded (a ``manifest.json`` last) and then the objects under ``uri``
+    that the tree does not hold are deleted: a model saved again with another layout (sharded
+    after single-file, or the reverse) must not be read back mixed with the old files."""
     local_dir = Path(local_dir)
     if not is_s3(uri):
         if Path(uri).resolve() != local_dir.resolve():
             replace_dir(uri, lambda tmp: shutil.copytree(local_dir, tmp, dirs_exist_ok=True))
         return uri
     bucket, prefix = split_s3(uri)
+    if not prefix:
+        raise ValueError(f"put_dir to {uri!r} would replace the whole bucket; use s3://BUCKET/PREFIX")
     client = s3_client()
     files = sorted((p for p in local_dir.rglob("*") if p.is_file()), key=lambda p: (p.name == "manifest.json", str(p)))
     for path in files:  # a manifest goes last: its presence marks the upload complete
@@ -149,6 +157,13 @@ def put_dir(local_dir: str | Path, uri: str) -> str:
         if size != path.stat().st_size:
             raise RuntimeError(f"upload of s3://{bucket}/{key} is incomplete: {size} of "
                                f"{path.stat().st_size} bytes; the checkpoint does not count")
+    keep = {f"{prefix}/{p.relative_to(local_dir).as_posix()}".lstrip("/") for p in files}
+    stale = [k for k in _list_keys(client, bucket, prefix + "/") if k not in keep]
+    for i in range(0, len(stale), 1000):  # delete_objects takes at most 1000 keys
+        try:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in stale[i:i + 1000]]})
+        except Exception as exc:
+            raise _s3_error(exc, bucket, stale[i]) from exc
     return uri
 
 

@@ -299,6 +299,29 @@ def test_s3_checkpoint_sync_writes_manifest_last_and_resumes(s3, moto, tmp_path)
     assert checkpoint.load(found, *_small_state(seed=9))["iteration"] == 2
 
 
+def test_s3_put_dir_replaces_what_was_there(s3, tmp_path):
+    """A model saved again with another layout: the old files under the prefix are deleted, files
+    under a sibling prefix that merely starts alike are not, and a bucket root is refused."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    (first / "sub").mkdir(parents=True)
+    (first / "model.safetensors").write_bytes(b"single")
+    (first / "sub" / "old.txt").write_text("old")
+    (second / "model-00001-of-00002.safetensors").parent.mkdir()
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "config.json"):
+        (second / name).write_text(name)
+    storage.put_dir(first, "s3://ckpts/replace/final")
+    storage.put_dir(first, "s3://ckpts/replace/final-copy")
+    storage.put_dir(second, "s3://ckpts/replace/final")
+    keys = lambda p: sorted(o["Key"] for o in s3.list_objects_v2(Bucket="ckpts", Prefix=p).get("Contents", []))  # noqa: E731
+    assert keys("replace/final/") == [f"replace/final/{n}" for n in (
+        "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")]
+    assert keys("replace/final-copy/") == ["replace/final-copy/model.safetensors", "replace/final-copy/sub/old.txt"]
+    got = storage.get_dir("s3://ckpts/replace/final", tmp_path / "dl")
+    assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in second.iterdir())
+    with pytest.raises(ValueError, match="would replace the whole bucket"):
+        storage.put_dir(second, "s3://ckpts")
+
+
 def test_s3_checkpoint_missing_an_object_is_skipped_with_a_warning(s3, tmp_path):
     root = "s3://ckpts/damaged/checkpoints"
     for it in (2, 4, 6):
