@@ -335,12 +335,11 @@ class Trainer:
         if self.cfg.dynamic_sampling:
             m.update(informative_frac_kept=s[3] / max(s[4], 1), dynamic_rounds=roll["dynamic_rounds"],
                      dynamic_drawn=roll["dynamic_drawn"])
-        reduced = dist.all_reduce_sum([upd[k] for k in ("kl", "loss", "clip_frac", "clip_frac_low",
-                                                         "clip_frac_high", "ratio_mean", "entropy")],
-                                      self.info.device)
-        for k, v in zip(("kl", "loss", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean",
-                         "entropy"), reduced):
-            m[k] = v / self.info.world_size
+        # token means over all ranks' tokens (ranks may hold different numbers of them); the loss
+        # as DDP averages it
+        means, n = ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy"), upd["num_tokens"]
+        *sums, tokens, loss = dist.all_reduce_sum([upd[k] * n for k in means] + [n, upd["loss"]], self.info.device)
+        m.update({k: v / max(tokens, 1.0) for k, v in zip(means, sums)}, loss=loss / self.info.world_size)
         m["grad_norm"] = upd["grad_norm"]
         m.update({k: round(v, 4) for k, v in self.timings.items()})
         names = list(self.last_breakdown)  # one collective for every reward function's sum
