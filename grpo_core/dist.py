@@ -102,11 +102,21 @@ def active() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
+def collective_device(device=None) -> torch.device:
+    """``device``, else where this process group's collectives run: nccl reduces CUDA tensors
+    only (a CPU tensor fails with "No backend type associated with device type cpu"), gloo CPU."""
+    if device is not None:
+        return torch.device(device)
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_sum(values: list[float], device=None) -> list[float]:
     """Sum a list of floats over ranks (one collective for the whole list)."""
     if not active():
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device(device))
     dist.all_reduce(t)
     return t.tolist()
 
@@ -114,7 +124,7 @@ def all_reduce_sum(values: list[float], device=None) -> list[float]:
 def all_reduce_max(value: float, device=None) -> float:
     if not active():
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+    t = torch.tensor([value], dtype=torch.float64, device=collective_device(device))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 

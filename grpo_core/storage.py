@@ -161,9 +161,14 @@ def put_dir(local_dir: str | Path, uri: str) -> str:
     stale = [k for k in _list_keys(client, bucket, prefix + "/") if k not in keep]
     for i in range(0, len(stale), 1000):  # delete_objects takes at most 1000 keys
         try:
-            client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in stale[i:i + 1000]]})
+            errors = client.delete_objects(Bucket=bucket, Delete={
+                "Objects": [{"Key": k} for k in stale[i:i + 1000]]}).get("Errors", [])
         except Exception as exc:
             raise _s3_error(exc, bucket, stale[i]) from exc
+        if errors:  # per-key failures come back in a 200 response, not as an exception
+            e = errors[0]
+            raise _s3_error(RuntimeError(f"{e.get('Code')}: {e.get('Message')} ({len(errors)} objects)"),
+                            bucket, e.get("Key", stale[i]))
     return uri
 
 

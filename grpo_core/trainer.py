@@ -228,16 +228,17 @@ class Trainer:
             else:  # nothing informative on this rank: it still runs the update (DDP) but adds nothing
                 batch.loss_rows = torch.zeros(len(batch), dtype=torch.bool)
             stats.update(dynamic_rounds=rounds, dynamic_drawn=drawn * (rounds + 1))
-        batch.advantages = self.advantages(batch.rewards)
+        batch.advantages = self.advantages(batch.rewards, batch.loss_rows)
         self.timings["time_generate"] += time.perf_counter() - t0 - self.timings["time_reward"]
         return batch, stats
 
-    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+    def advantages(self, rewards: torch.Tensor, loss_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Group-relative advantages of this rank's groups; scale="batch" divides by the std of
-        the global batch (all ranks' rewards), so the update does not depend on how it is split."""
+        the global batch (all ranks' rewards of rows in the loss), so the update does not depend
+        on how it is split."""
         c, batch_std = self.cfg, None
         if c.scale == "batch" and dist.active():
-            r = rewards.double()
+            r = rewards.double() if loss_rows is None else rewards.double()[loss_rows]
             batch_std = std_from_moments(*dist.all_reduce_sum(
                 [r.sum().item(), (r * r).sum().item(), r.numel()], self.info.device))
         return group_advantages(rewards, c.group_size, scale=c.scale, eps=c.adv_eps, batch_std=batch_std)

@@ -8,7 +8,8 @@ the G rows of a group one prompt (as rollouts do: the shared-prefix scoring path
 advantage scale, computed by ``Trainer.advantages`` on each rank's shard. micro_batch_groups
 (optional, default 0) splits each rank's shard into micro-batches (DDP ``no_sync`` until the last);
 rank0_groups (optional) gives rank 0 that many groups and rank 1 the rest (dynamic sampling leaves
-ranks with different numbers of groups).
+ranks with different numbers of groups); "last-rank-empty" (optional) takes the last rank's groups
+out of the loss (``loss_rows`` False), as dynamic sampling does on a rank left with nothing informative.
 """
 import sys
 
@@ -26,6 +27,7 @@ model_dir, out_file, loss_type, prompts, scale = sys.argv[1:6]
 micro_batch_groups = int(sys.argv[6]) if len(sys.argv) > 6 else 0
 groups = int(sys.argv[7]) if len(sys.argv) > 7 else 2
 rank0_groups = int(sys.argv[8]) if len(sys.argv) > 8 and int(sys.argv[8]) > 0 else None  # None: an even split
+last_rank_empty = len(sys.argv) > 9 and sys.argv[9] == "last-rank-empty"  # its groups out of the loss
 shared_calls = []
 _shared = scoring._shared_prefix_logits
 scoring._shared_prefix_logits = lambda *a, **k: shared_calls.append(1) or _shared(*a, **k)
@@ -42,7 +44,9 @@ bounds = [0, rank0_groups, groups] if rank0_groups and info.world_size == 2 else
 rows = torch.zeros(groups, dtype=torch.bool)
 rows[bounds[info.rank]:bounds[info.rank + 1]] = True
 shard = batch.select_groups(rows)
-shard.advantages = trainer.advantages(shard.rewards)  # scale="batch": the std over all ranks
+if last_rank_empty and info.rank == info.world_size - 1:  # as dynamic sampling leaves a rank with nothing informative
+    shard.loss_rows = torch.zeros(len(shard), dtype=torch.bool)
+shard.advantages = trainer.advantages(shard.rewards, shard.loss_rows)  # scale="batch": the std over all ranks
 trainer.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
 trainer.update(shard)
 if info.is_main:

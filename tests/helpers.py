@@ -39,11 +39,15 @@ def fixed_rollout_batch(groups: int = 2, shared_prompts: bool = True):
     B, P, T = 4 * groups, 5, 7
     lengths = torch.tensor(([7, 1, 2, 6, 7, 7, 5, 7] + [3, 7, 4, 1, 6, 2, 7, 5] * groups)[:B])
     mask = torch.arange(T)[None] < lengths[:, None]
-    prompt_ids = torch.randint(10, 60, (B, P), generator=g)
+    # the first two groups are drawn first, so they are the same in every batch of >= 2 groups
+    prompt_ids, completion_ids = [], []
+    for rows in ([min(B, 8), B - 8] if B > 8 else [B]):
+        prompt_ids.append(torch.randint(10, 60, (rows, P), generator=g))
+        completion_ids.append(torch.randint(10, 60, (rows, T), generator=g))
+    prompt_ids, completion_ids = torch.cat(prompt_ids), torch.cat(completion_ids)
     if shared_prompts:
         prompt_ids = prompt_ids[::4].repeat_interleave(4, 0)
-    batch = RolloutBatch(prompt_ids, torch.ones(B, P, dtype=torch.long),
-                         torch.randint(10, 60, (B, T), generator=g), mask, lengths == T,
+    batch = RolloutBatch(prompt_ids, torch.ones(B, P, dtype=torch.long), completion_ids, mask, lengths == T,
                          4, [""] * B, [""] * B)
     batch.rewards = torch.tensor(([1., 0, 0, 1, 0.5, 0, 1, 1] + [0, 1, 1, 0.5, 1, 1, 0, 0.25] * groups)[:B])
     return batch

@@ -660,3 +660,13 @@ def test_sampling_from_a_diverged_policy_is_an_error_not_a_token():
     for row in ([float("nan"), 0.5, 0.5], [1.0, float("inf"), 0.0], [0.0, 0.0, 0.0]):
         with pytest.raises(ValueError, match="row 1 .*not a distribution.*NaN/inf"):
             sample_inverse_cdf(torch.tensor([[0.2, 0.3, 0.5], row]))
+
+
+def test_collectives_run_where_the_backend_reduces():
+    """nccl reduces CUDA tensors only: helpers called without a device (the non-finite check, the
+    dynamic-sampling refill vote) must not build a CPU tensor there. Without a process group or
+    on gloo that is the CPU; a device passed in wins."""
+    from grpo_core.dist import collective_device
+
+    assert collective_device() == torch.device("cpu")
+    assert collective_device("meta") == torch.device("meta")

@@ -156,12 +156,13 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tiny, tmp_path):
 
 
 def _update(tiny, out, nproc, loss_type, prompts="shared", scale="group", micro_batch_groups=0, groups=2,
-            rank0_groups=0):
+            rank0_groups=0, last_rank_empty=False):
     script = str(REPO / "tests" / "ddp_update_check.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
            if nproc > 1 else [sys.executable, script])
-    args = [str(tiny), str(out), loss_type, prompts, scale, str(micro_batch_groups), str(groups), str(rank0_groups)]
+    args = [str(tiny), str(out), loss_type, prompts, scale, str(micro_batch_groups), str(groups), str(rank0_groups),
+            "last-rank-empty" if last_rank_empty else "-"]
     run = subprocess.run(cmd + args, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"{' '.join(cmd[2:4])} exited {run.returncode}:\n{run.stderr[-6000:]}"
     grads = load_file(str(out))
@@ -206,6 +207,19 @@ def test_torchrun_uneven_rank_batches_equal_one_process_update(tiny, tmp_path, l
     rank and the update equals one process's (a per-rank mean gave gradients 40% off)."""
     one, _ = _update(tiny, tmp_path / "one.st", 1, loss_type, groups=3)
     two, _ = _update(tiny, tmp_path / "two.st", 2, loss_type, groups=3, rank0_groups=2)
+    assert max(g.abs().max().item() for g in one.values()) > 1e-4
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-7, rtol=1e-4), k
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_torchrun_a_rank_with_nothing_in_the_loss_leaves_the_update_of_the_others(tiny, tmp_path, loss_type):
+    """Rank 0 holds groups 0-1, rank 1 group 2 with loss_rows False (dynamic sampling found nothing
+    informative there): the update, with the batch std of scale="batch" too, equals one process's
+    on groups 0-1 alone."""
+    one, _ = _update(tiny, tmp_path / "one.st", 1, loss_type, scale="batch", groups=2)
+    two, _ = _update(tiny, tmp_path / "two.st", 2, loss_type, scale="batch", groups=3, rank0_groups=2,
+                     last_rank_empty=True)
     assert max(g.abs().max().item() for g in one.values()) > 1e-4
     for k in one:
         assert torch.allclose(one[k], two[k], atol=1e-7, rtol=1e-4), k
