@@ -390,6 +390,10 @@ class PipelineConfig:
                      f"{cfg.prompts_per_iter} prompts cannot be split across {world} ranks "
                      f"(compute.nproc_per_node); use a multiple of {world}")
             setattr(self, stage, table)
+        evaluated = {"gsm8k_test": self.evaluate.gsm8k_size >= 0, "arith_holdout": self.evaluate.arith_size > 0}
+        _require(evaluated[self.register.primary], "register.primary",
+                 f"{self.register.primary!r} is not evaluated (evaluate.gsm8k_size = {self.evaluate.gsm8k_size}, "
+                 f"evaluate.arith_size = {self.evaluate.arith_size}); compare on a set that is, or evaluate it")
 
     @classmethod
     def from_dict(cls, data: dict) -> "PipelineConfig":

@@ -235,8 +235,8 @@ def register(cfg: PipelineConfig, ctx: RunContext, final: dict, datasets: dict, 
     tags = {"metaflow.pathspec": pathspec, "grpo.config": cfg.name,
             **{f"dataset.{k}.digest": v["digest"] for k, v in datasets.items()}}
     return register_model(ctx.tracking_uri, run_id, str(model_dir), r.model_name, eval_items=final["items"],
-                          primary=r.primary if r.primary in final["items"] else next(iter(final["items"])),
-                          tags=tags, rule=r.rule, alpha=r.alpha)
+                          primary=r.primary, tags=tags, rule=r.rule, alpha=r.alpha,
+                          max_new_tokens=cfg.evaluate.max_new_tokens)
 
 
 def finish(ctx: RunContext, status: str = "FINISHED") -> None:

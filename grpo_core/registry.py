@@ -175,7 +175,7 @@ def _pip_requirements() -> list[str]:
     return [f"{p}=={ver(p)}" for p in ("mlflow", "torch", "transformers", "safetensors")]
 
 
-def log_pyfunc_model(uri: str, run_id: str, model_dir: str):
+def log_pyfunc_model(uri: str, run_id: str, model_dir: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS):
     """Log ``model_dir`` as a pyfunc LoggedModel attached to the run; returns ModelInfo."""
     import mlflow
     from mlflow.models import Model
@@ -192,7 +192,7 @@ def log_pyfunc_model(uri: str, run_id: str, model_dir: str):
                          model_id=logged.model_id,
                          python_model=str(code), artifacts={"model_dir": str(model_dir)},
                          pip_requirements=_pip_requirements(),
-                         model_config={"max_new_tokens": DEFAULT_MAX_NEW_TOKENS})
+                         model_config={"max_new_tokens": max_new_tokens})
 
 
 def load_eval_items(client, run_id: str, eval_set: str) -> list[dict] | None:
@@ -219,7 +219,7 @@ def _champion(client, name: str):
     return client.get_model_version_by_alias(name, "champion")
 
 
-def _find_or_create_version(client, uri, name, run_id, model_dir, eval_items, tags):
+def _find_or_create_version(client, uri, name, run_id, model_dir, eval_items, tags, max_new_tokens):
     """One version per run: a rerun of the register step reuses the version it made."""
     from mlflow.exceptions import MlflowException
 
@@ -232,7 +232,7 @@ def _find_or_create_version(client, uri, name, run_id, model_dir, eval_items, ta
         return existing[0]
     for eval_set, items in eval_items.items():
         client.log_dict(run_id, items, f"eval/items_{eval_set}.json")
-    info = log_pyfunc_model(uri, run_id, model_dir)
+    info = log_pyfunc_model(uri, run_id, model_dir, max_new_tokens)
     with use_uri(uri):  # the sqlite registry resolves models:/m-... via the global URI
         return client.create_model_version(name, source=info.model_uri, run_id=run_id,
                                            tags=clean_tags(tags), model_id=info.model_id)
@@ -243,8 +243,11 @@ def _find_or_create_version(client, uri, name, run_id, model_dir, eval_items, ta
 
 def register_model(uri: str, run_id: str, model_dir: str, name: str = "grpo-gsm8k", *,
                    eval_items: dict[str, list[dict]], primary: str = "gsm8k_test",
-                   tags: dict | None = None, rule: str = "significant", alpha: float = 0.05) -> dict:
-    """Log, register, compare with ``@champion`` and set aliases. Returns the decision dict.
+                   tags: dict | None = None, rule: str = "significant", alpha: float = 0.05,
+                   max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> dict:
+    """Log, register, compare with ``@champion`` on ``primary`` and set aliases. Returns the
+    decision dict, which names the set it compared on (``eval_set``). ``max_new_tokens``: the
+    generation cap of the evaluation that measured the model, so serving answers the same way.
 
     The decision is stored as version tags *before* aliases are moved, so a rerun (e.g. a
     resumed Metaflow step) re-applies the same aliases instead of comparing the version with
@@ -253,18 +256,18 @@ def register_model(uri: str, run_id: str, model_dir: str, name: str = "grpo-gsm8
     if primary not in eval_items:
         raise ValueError(f"primary eval set {primary!r} not in eval_items {sorted(eval_items)}")
     client = mlflow_client(uri)
-    mv = _find_or_create_version(client, uri, name, run_id, model_dir, eval_items, tags)
+    mv = _find_or_create_version(client, uri, name, run_id, model_dir, eval_items, tags, max_new_tokens)
     version = int(mv.version)
     if "decision" in mv.tags:
         result = json.loads(mv.tags["grpo.decision_json"])
     else:
         result = _decide_against_champion(client, name, eval_items[primary], primary, rule, alpha)
-        result.update(version=version, model_name=name, rule=rule)
+        result.update(version=version, model_name=name, rule=rule, eval_set=primary)
         _tag_version(client, name, version, eval_items, result)
     _apply_aliases(client, name, version, result)
     _log_to_run(client, run_id, eval_items, result)
     print(f"[registry] {name} v{version}: {result['decision']} ({result['reason']}; "
-          f"{result['compared_items']} items compared)", file=sys.stderr)
+          f"{result['compared_items']} items of {result.get('eval_set', primary)} compared)", file=sys.stderr)
     return result
 
 
@@ -284,7 +287,7 @@ def _tag_version(client, name: str, version: int, eval_items: dict, result: dict
     tags = {}
     for eval_set, items in eval_items.items():
         tags.update({f"eval.{eval_set}.{k}": v for k, v in eval_summary(items).items()})
-    keys = ("p_value", "champion_accuracy", "challenger_accuracy", "compared_items", "rule", "reason")
+    keys = ("eval_set", "p_value", "champion_accuracy", "challenger_accuracy", "compared_items", "rule", "reason")
     tags.update({k: "" if result[k] is None else result[k] for k in keys})
     tags["grpo.decision_json"] = json.dumps(result)
     tags["decision"] = result["decision"]  # last: its presence marks the decision as stored
@@ -311,6 +314,7 @@ def _log_to_run(client, run_id: str, eval_items: dict, result: dict) -> None:
     metrics.update({f"promotion.{k}": result[k] for k in
                     ("p_value", "champion_accuracy", "challenger_accuracy", "compared_items")})
     tags = {"promotion.decision": result["decision"], "promotion.reason": result["reason"],
+            "promotion.eval_set": str(result.get("eval_set", "")),
             "registry.model": result["model_name"], "registry.version": str(result["version"])}
     now = int(time.time() * 1000)
     client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()

@@ -47,11 +47,11 @@ def model_dir(tmp_path_factory):
     return str(out)
 
 
-def _register(uri, model_dir, n_right, rule="significant", name="grpo-test", run_id=None):
+def _register(uri, model_dir, n_right, rule="significant", name="grpo-test", run_id=None, **kw):
     run_id = run_id or start_parent_run(uri, "grpo-registry", {"metaflow.pathspec": f"GrpoFlow/{n_right}"})
     tags = {"dataset.gsm8k_test.digest": f"digest{n_right}", "metaflow.pathspec": f"GrpoFlow/{n_right}",
             "config": "local", "s3_uri": "s3://user:pw@bucket/x"}
-    return register_model(uri, run_id, model_dir, name, eval_items=evals(n_right), tags=tags, rule=rule)
+    return register_model(uri, run_id, model_dir, name, eval_items=evals(n_right), tags=tags, rule=rule, **kw)
 
 
 def _load_and_predict(uri, name):
@@ -104,9 +104,10 @@ def test_registry_flow_sqlite(sqlite_uri, model_dir, capsys):
     assert mv.tags["eval.gsm8k_test.accuracy"] == str(51 / 60)
     assert float(mv.tags["eval.gsm8k_test.ci95_low"]) < 51 / 60 < float(mv.tags["eval.gsm8k_test.ci95_high"])
     assert mv.tags["decision"] == "promoted" and mv.tags["compared_items"] == "60"
+    assert mv.tags["eval_set"] == "gsm8k_test" and v5["eval_set"] == "gsm8k_test"  # what the p-value is about
     assert mv.tags["dataset.gsm8k_test.digest"] == "digest51" and "pw" not in mv.tags["s3_uri"]
     run = client.get_run(mv.run_id)
-    assert run.data.tags["promotion.decision"] == "promoted"
+    assert run.data.tags["promotion.decision"] == "promoted" and run.data.tags["promotion.eval_set"] == "gsm8k_test"
     assert run.data.metrics["promotion.challenger_accuracy"] == pytest.approx(51 / 60)
     assert {a.path for a in client.list_artifacts(mv.run_id, "eval")} == {
         "eval/items_gsm8k_test.json", "eval/items_arith_holdout.json"}
@@ -185,8 +186,9 @@ def test_registered_model_answers_as_the_evaluation_measured(sqlite_uri, model_d
     model.save_pretrained(checkpoint)
     tok.save_pretrained(checkpoint)
 
-    assert _register(sqlite_uri, str(checkpoint), 30, name="grpo-render")["decision"] == "first"
-    served = load_model(sqlite_uri, "grpo-render", max_new_tokens=8).predict(questions)
+    # the evaluation's cap is registered with the model: served without an override, it answers alike
+    assert _register(sqlite_uri, str(checkpoint), 30, name="grpo-render", max_new_tokens=8)["decision"] == "first"
+    served = load_model(sqlite_uri, "grpo-render").predict(questions)
     evaluated = greedy_results(model, tok, rows, max_new_tokens=8, batch_size=1)
     assert served == [r["completion"] for r in evaluated]
     assert served[0] == free[:3]  # both stopped at (and kept, as they keep an eos) the turn-end token

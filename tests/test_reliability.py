@@ -465,6 +465,7 @@ def test_checkpoints_and_saved_models_reach_the_disk_before_their_rename(tmp_pat
     ({"sft": {"hidden": "64"}}, r"config\.sft\.hidden = '64' has type str; expected <class 'int'>"),
     ({"compute": {"nproc_per_nodes": 2}}, r"unknown field config\.compute\.nproc_per_nodes\. Did you mean 'nproc_per_node'"),
     ({"curriculm": {}}, r"Did you mean 'curriculum'"),
+    ({"evaluate": {"gsm8k_size": -1}}, r"register\.primary: 'gsm8k_test' is not evaluated \(evaluate\.gsm8k_size = -1"),
 ])
 def test_bad_pipeline_config_names_the_field_and_fix(override, match):
     with pytest.raises(ConfigError, match=match):
