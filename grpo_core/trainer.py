@@ -161,8 +161,19 @@ class Trainer:
             return 0
         self.state = checkpoint.load(path_str[0], self.model, self.opt, self.sched)
         self._restore_metrics(Path(path_str[0]), self.state["iteration"])
+        self._republish(Path(path_str[0]), self.state["iteration"])
         dist.print0(f"[{self.cfg.stage}] resumed from {path_str[0]} at iteration {self.state['iteration']}")
         return self.state["iteration"]
+
+    def _republish(self, ckpt: Path, iteration: int) -> None:
+        """Copy a checkpoint found elsewhere (the origin run of a flow ``resume``) to this run's
+        own sync_uri. A resume of this run searches only this run and its direct origin: if this
+        run failed before writing a checkpoint of its own, the work would otherwise restart at 0."""
+        if not (self.info.is_main and self.cfg.sync_uri):
+            return
+        own, name = storage.join(self.cfg.sync_uri, "checkpoints"), checkpoint.name_for(iteration)
+        if name not in storage.list_dirs(own):
+            storage.put_dir(ckpt, storage.join(own, name))
 
     def _restore_metrics(self, ckpt: Path, iteration: int) -> None:
         """metrics.jsonl as it was at the checkpoint: its copy in the checkpoint (a flow ``resume``

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,6 +87,24 @@ def test_resume_into_a_fresh_output_dir_restores_the_metrics_history(tiny, tmp_p
     assert json.dumps(resumed["reward_trend"]) == json.dumps(straight["reward_trend"])  # (NaN intervals)
     assert (resumed["first"]["iteration"], resumed["first"]["reward"]) == (1, straight["first"]["reward"])
     assert same_weights(tmp_path / "straight" / "final", tmp_path / "resumed" / "final")
+
+
+def test_a_resume_of_a_resume_that_failed_before_its_first_checkpoint_loses_nothing(tiny, tmp_path):
+    """Flow runs A -> B (resume of A) -> C (resume of B): each searches only itself and its direct
+    origin. B resumed from A's checkpoint 4 and failed before writing one of its own, so C would
+    have found nothing and restarted at 0; B now republishes the checkpoint it resumed from."""
+    straight = main(_stage(tiny, tmp_path / "straight"))
+    sync = {r: str(tmp_path / "store" / r) for r in "ABC"}
+    with pytest.raises(RuntimeError, match="injected failure at iteration 5"):
+        main(_stage(tiny, tmp_path / "A", sync_uri=sync["A"], fail_at_iteration=5))
+    with pytest.raises(RuntimeError, match="injected failure at iteration 5"):
+        main(_stage(tiny, tmp_path / "B", sync_uri=sync["B"], resume_from=[sync["B"], sync["A"]],
+                    fail_at_iteration=5))
+    assert (Path(sync["B"]) / "checkpoints" / "ckpt-000004" / "manifest.json").exists()
+    resumed = main(_stage(tiny, tmp_path / "C", sync_uri=sync["C"], resume_from=[sync["C"], sync["B"]]))
+    assert resumed["resumed_from_iteration"] == 4 and resumed["iterations_run"] == 6
+    assert same_weights(tmp_path / "straight" / "final", tmp_path / "C" / "final")
+    assert straight["iterations_run"] == 6
 
 
 COMPILED_RUN = """import sys, torch
