@@ -181,9 +181,11 @@ class GRPOConfig:
     max_resample_rounds: int = 3
     """Cap on extra sampling rounds per iteration with dynamic sampling."""
     eval_every: int = 0
-    """Greedy held-out accuracy every N iterations (0: only at the end)."""
+    """Greedy accuracy on the task's validation split every N iterations (0: only at the end);
+    the gate's ``eval_accuracy``. Validation is disjoint from training and from the test items
+    the final evaluation reports (``grpo_core.data``)."""
     eval_size: int = 100
-    """Held-out items for periodic evaluation."""
+    """Validation items for periodic evaluation."""
     eval_max_new_tokens: int = 0
     """Generation cap for evaluation; 0 means max_new_tokens."""
     gate_metric: str | None = None

@@ -4,8 +4,14 @@ Every row is ``{"id": str, "prompt": str, "gold": str}``; ``prompt`` is the raw 
 tokenizer's chat template wraps it. GSM8K loads from the hub id ``openai/gsm8k`` (config
 ``main``) or from a local directory of ``train.jsonl``/``test.jsonl`` (``GSM8K_DIR``), through
 the same ``datasets`` call. A malformed row is an error naming its index; nothing is dropped
-silently. Arithmetic problems whose hash falls in a fixed 15% slice are held out: training never
-draws them, evaluation uses only them, so the held-out accuracy is honest.
+silently.
+
+Three disjoint splits, so no reported accuracy is chosen on the data it reports: training draws
+only "train"; the periodic evaluation and the promotion gate during a stage use "validation";
+the final evaluation of every stage uses "test". Arithmetic problems are split by a hash of the
+problem, with ``a+b``/``b+a`` (and ``*``) hashed alike so a commuted twin never sits on the other
+side (15% test, 10% validation). GSM8K keeps its own test split as "test" and takes
+"validation" from its train split (a 5% hash slice of the questions, never trained on).
 """
 from __future__ import annotations
 
@@ -17,26 +23,54 @@ import torch
 
 from grpo_core.rewards import gold_value
 
-HOLDOUT_PERCENT = 15  # share of arithmetic problems reserved for evaluation
+SPLITS = ("train", "validation", "test")
+TEST_PERCENT = 15  # share of arithmetic problems reserved for the final evaluation
+VALIDATION_PERCENT = 10  # share of arithmetic problems for periodic evaluation and the gate
+GSM8K_VALIDATION_PERCENT = 5  # share of GSM8K train questions kept out of training for validation
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 SFT_FORMAT = "<think>{think}</think><answer>{answer}</answer>"
 
 
-def _is_holdout(a: int, op: str, b: int) -> bool:
-    return int(hashlib.sha1(f"{a}{op}{b}".encode()).hexdigest(), 16) % 100 < HOLDOUT_PERCENT
+def _bucket(key: str) -> int:
+    return int(hashlib.sha1(key.encode()).hexdigest(), 16) % 100
 
 
-def arithmetic_rows(ops: str = "+-*", lo: int = 0, hi: int = 20, holdout: bool = False) -> list[dict]:
-    """All ``a op b`` problems in range, either the training part or the held-out part."""
+def arithmetic_split(a: int, op: str, b: int) -> str:
+    """The split of ``a op b``; commutative problems are keyed on the sorted operands."""
+    if op in "+*":
+        a, b = min(a, b), max(a, b)
+    bucket = _bucket(f"{a}{op}{b}")
+    return "test" if bucket < TEST_PERCENT else "validation" if bucket < TEST_PERCENT + VALIDATION_PERCENT \
+        else "train"
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+def arithmetic_rows(ops: str = "+-*", lo: int = 0, hi: int = 20, split: str = "train") -> list[dict]:
+    """All ``a op b`` problems in range that fall in ``split`` (train | validation | test)."""
+    _check_split(split)
     rows = []
     for a, op, b in itertools.product(range(lo, hi + 1), ops, range(lo, hi + 1)):
-        if _is_holdout(a, op, b) == holdout:
+        if arithmetic_split(a, op, b) == split:
             rows.append({"id": f"arith:{a}{op}{b}", "prompt": f"What is {a} {op} {b}?",
                          "gold": str(OPS[op](a, b)), "think": f"{a}{op}{b}={OPS[op](a, b)}"})
     if not rows:
-        raise ValueError(f"arithmetic range ops={ops!r} {lo}..{hi} leaves no "
-                         f"{'held-out' if holdout else 'training'} problems; widen the range")
+        raise ValueError(f"arithmetic range ops={ops!r} {lo}..{hi} leaves no {split} problems; widen the range")
     return rows
+
+
+def gsm8k_rows(source: str, split: str, limit: int | None = None) -> list[dict]:
+    """GSM8K rows of ``split``: test is GSM8K's test split (the first ``limit``); train and
+    validation divide its train split by a hash of the question (validation is never trained on)."""
+    _check_split(split)
+    if split == "test":
+        return load_gsm8k(source, "test", limit=limit)
+    rows = [r for r in load_gsm8k(source, "train")
+            if (_bucket(r["prompt"]) < GSM8K_VALIDATION_PERCENT) == (split == "validation")]
+    return rows[:limit] if limit is not None else rows
 
 
 def sft_target(row: dict) -> str:
@@ -132,8 +166,8 @@ def dataset_digest(source: str, split: str) -> str:
     return h[:16]
 
 
-def arithmetic_digest(ops: str, lo: int, hi: int, holdout: bool) -> str:
-    rows = arithmetic_rows(ops, lo, hi, holdout)
+def arithmetic_digest(ops: str, lo: int, hi: int, split: str) -> str:
+    rows = arithmetic_rows(ops, lo, hi, split)
     return hashlib.sha256("\n".join(r["id"] for r in rows).encode()).hexdigest()[:16]
 
 
@@ -163,19 +197,21 @@ class PromptStream:
 
 
 def train_rows(cfg) -> list[dict]:
-    """Training rows for a GRPOConfig (arithmetic training part or GSM8K train)."""
+    """Training rows for a GRPOConfig (the train split of its task)."""
     from grpo_core.config import gsm8k_source
 
     if cfg.task == "arithmetic":
-        return arithmetic_rows(cfg.arith_ops, cfg.arith_min, cfg.arith_max, holdout=False)
-    return load_gsm8k(gsm8k_source(cfg.gsm8k_source), "train")
+        return arithmetic_rows(cfg.arith_ops, cfg.arith_min, cfg.arith_max, "train")
+    return gsm8k_rows(gsm8k_source(cfg.gsm8k_source), "train")
 
 
 def eval_rows(cfg, size: int) -> list[dict]:
-    """A fixed held-out subset for periodic evaluation during a stage."""
+    """A fixed subset of the validation split for periodic evaluation and the promotion gate:
+    disjoint from training and from the test items the final evaluation reports."""
     from grpo_core.config import gsm8k_source
 
     if cfg.task == "arithmetic":
-        rows = arithmetic_rows(cfg.arith_ops, cfg.arith_min, cfg.arith_max, holdout=True)
-        return PromptStream(rows, seed=12345).take(0, min(size, len(rows)))
-    return load_gsm8k(gsm8k_source(cfg.gsm8k_source), "test", limit=size)
+        rows = arithmetic_rows(cfg.arith_ops, cfg.arith_min, cfg.arith_max, "validation")
+    else:
+        rows = gsm8k_rows(gsm8k_source(cfg.gsm8k_source), "validation")
+    return PromptStream(rows, seed=12345).take(0, min(size, len(rows)))

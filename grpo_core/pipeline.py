@@ -79,25 +79,30 @@ def storage_root(cfg: PipelineConfig) -> str:
 
 def dataset_identities(cfg: PipelineConfig) -> dict:
     """Source + digest of every dataset the run reads; fails fast if GSM8K cannot be reached."""
-    from grpo_core.data import arithmetic_digest, dataset_digest, load_gsm8k
+    from grpo_core.data import GSM8K_VALIDATION_PERCENT, arithmetic_digest, dataset_digest, gsm8k_rows
 
     cur = cfg.stage("curriculum", model="-")
     src = gsm8k_source(cfg.gsm8k.get("gsm8k_source", "openai/gsm8k"))
     try:
-        n_train = len(load_gsm8k(src, "train"))
+        n_train = len(gsm8k_rows(src, "train"))
     except Exception as exc:
         raise RuntimeError(
             f"GSM8K could not be loaded from {src!r} ({type(exc).__name__}: {exc}). Offline, point "
             "GSM8K_DIR at a local copy with train.jsonl/test.jsonl (e.g. GSM8K_DIR=../shared/data/gsm8k); "
             "online, the hub id openai/gsm8k works as is.") from exc
     arith = (cur.arith_ops, cur.arith_min, cur.arith_max)
+    arith_src = "arithmetic:{}:{}..{}".format(*arith)
+    slice_ = f"{GSM8K_VALIDATION_PERCENT}% of the train split by question hash"
     return {
-        "gsm8k_train": {"source": src, "split": "train", "digest": dataset_digest(src, "train"), "rows": n_train},
+        "gsm8k_train": {"source": src, "split": f"train (less the validation {slice_})",
+                        "digest": dataset_digest(src, "train"), "rows": n_train},
+        "gsm8k_validation": {"source": src, "split": f"validation ({slice_}; never trained on)",
+                             "digest": dataset_digest(src, "train")},
         "gsm8k_test": {"source": src, "split": "test", "digest": dataset_digest(src, "test")},
-        "arith_train": {"source": "arithmetic:{}:{}..{}".format(*arith), "split": "train",
-                        "digest": arithmetic_digest(*arith, holdout=False)},
-        "arith_holdout": {"source": "arithmetic:{}:{}..{}".format(*arith), "split": "holdout",
-                          "digest": arithmetic_digest(*arith, holdout=True)},
+        "arith_train": {"source": arith_src, "split": "train", "digest": arithmetic_digest(*arith, "train")},
+        "arith_validation": {"source": arith_src, "split": "validation",
+                             "digest": arithmetic_digest(*arith, "validation")},
+        "arith_holdout": {"source": arith_src, "split": "test", "digest": arithmetic_digest(*arith, "test")},
     }
 
 
@@ -119,8 +124,9 @@ def child_run(ctx: RunContext, stage: str, datasets: dict | None = None, names=(
     run_id = start_child_run(ctx.tracking_uri, ctx.parent_run_id, stage, {"grpo.metaflow_run": ctx.run_id})
     for name in names:
         d = datasets[name]
-        log_dataset(ctx.tracking_uri, run_id, name, d["source"], d["digest"], d["split"],
-                    context="evaluation" if name in ("gsm8k_test", "arith_holdout") else "training")
+        context = ("evaluation" if name in ("gsm8k_test", "arith_holdout") else
+                   "validation" if name.endswith("_validation") else "training")
+        log_dataset(ctx.tracking_uri, run_id, name, d["source"], d["digest"], d["split"], context=context)
     return run_id
 
 
@@ -146,7 +152,9 @@ def load_sft(cfg: PipelineConfig, ctx: RunContext) -> tuple[str, dict]:
 def stage_config(cfg: PipelineConfig, stage: str, step: str, model_uri: str, ctx: RunContext,
                  datasets: dict) -> dict:
     """The GRPOConfig of a stage with its runtime fields filled in (validated)."""
-    names = ("arith_train", "arith_holdout") if stage == "curriculum" else ("gsm8k_train", "gsm8k_test")
+    task = "arith" if stage == "curriculum" else "gsm8k"
+    table = getattr(cfg, stage)  # periodic evaluation and the gate read the validation split
+    names = (f"{task}_train",) + ((f"{task}_validation",) if table.get("eval_every") or table.get("gate_metric") else ())
     resume = [ctx.step_uri(step)] + ([ctx.step_uri(step, ctx.origin_run_id)] if ctx.origin_run_id else [])
     sc = cfg.stage(stage, model=model_uri, output_dir=str(ctx.scratch(step)), sync_uri=ctx.step_uri(step),
                    resume_from=resume, tracking_uri=ctx.tracking_uri,

@@ -2,7 +2,7 @@
 
 GRPO needs a policy that already earns some reward (a group whose answers are all wrong
 teaches nothing). Offline there is no pretrained model, so ``bootstrap`` builds the tiny model
-and really fine-tunes it on the arithmetic training problems (never the held-out ones) in the
+and really fine-tunes it on the arithmetic training problems (never the validation or test ones) in the
 ``<think>a+b=c</think><answer>c</answer>`` format, optionally mixed with GSM8K train rows.
 The loss covers completion tokens only.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from grpo_core.config import SFTConfig, gsm8k_source
-from grpo_core.data import arithmetic_rows, load_gsm8k, sft_target
+from grpo_core.data import arithmetic_rows, gsm8k_rows, sft_target
 from grpo_core.models import build_tiny, save_policy
 from grpo_core.rollout import render_prompts
 
@@ -54,9 +54,9 @@ def bootstrap(cfg: SFTConfig, out_dir: str | Path) -> dict:
     """Build the tiny model, SFT it, save it to ``out_dir``; returns SFT metrics."""
     torch.manual_seed(cfg.seed)
     model, tok = build_tiny(cfg.arch, cfg.hidden, cfg.layers, cfg.heads, seed=cfg.seed)
-    rows = arithmetic_rows(cfg.arith_ops, cfg.arith_min, cfg.arith_max, holdout=False)
+    rows = arithmetic_rows(cfg.arith_ops, cfg.arith_min, cfg.arith_max, "train")
     if cfg.gsm8k_examples:
-        rows += load_gsm8k(gsm8k_source("openai/gsm8k"), "train", limit=cfg.gsm8k_examples)
+        rows += gsm8k_rows(gsm8k_source("openai/gsm8k"), "train", limit=cfg.gsm8k_examples)
     examples = encode_examples(tok, rows)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(

@@ -362,7 +362,7 @@ class Trainer:
         return m
 
     def evaluate(self) -> float:
-        """Greedy held-out accuracy, sharded across ranks."""
+        """Greedy accuracy on the validation subset, sharded across ranks."""
         rows = self.eval_rows[self.info.rank::self.info.world_size]
         res = greedy_results(self.model, self.tok, rows, max_new_tokens=self.cfg.eval_max_new_tokens
                              or self.cfg.max_new_tokens, max_prompt_tokens=self.cfg.max_prompt_tokens)

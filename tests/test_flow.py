@@ -125,7 +125,8 @@ def test_mlflow_records_every_stage_without_duplicate_steps(crashed_and_resumed)
     assert steps == [1, 2, 3, 4], steps  # iteration 3 ran twice, but was logged once
     gsm = children["gsm8k"]
     assert gsm.data.params["loss_type"] == "dapo" and "objective.normaliser" in gsm.data.params
-    assert {d.dataset.name for d in gsm.inputs.dataset_inputs} == {"gsm8k_train", "gsm8k_test"}
+    assert {d.dataset.name for d in gsm.inputs.dataset_inputs} == {"gsm8k_train"}  # no eval_every, no gate
+    assert {d.dataset.name for d in children["curriculum"].inputs.dataset_inputs} == {"arith_train", "arith_validation"}
     assert children["curriculum"].data.metrics["reward_trend/window"] >= 1
     ev = children["evaluate"].data.metrics
     assert 0.0 <= ev["eval/gsm8k_test/accuracy"] <= 1.0

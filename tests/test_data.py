@@ -1,0 +1,54 @@
+"""Data splits: training, the validation the gate selects on, and the test the evaluation reports
+are disjoint, so no reported accuracy is chosen on the items it reports."""
+import pytest
+
+from grpo_core.config import GRPOConfig, PipelineConfig
+from grpo_core.data import SPLITS, arithmetic_rows, arithmetic_split, eval_rows, gsm8k_rows, train_rows
+from grpo_core.evaluate import eval_sets
+from tests.helpers import GSM8K_DIR
+
+needs_gsm8k = pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs GSM8K_DIR (a local GSM8K copy)")
+
+
+def _ids(rows):
+    return {r["id"] for r in rows}
+
+
+def test_arithmetic_splits_are_disjoint_cover_everything_and_keep_commuted_twins_together():
+    splits = {s: arithmetic_rows("+-*", 0, 20, s) for s in SPLITS}
+    ids = [_ids(rows) for rows in splits.values()]
+    assert sum(map(len, ids)) == len(set().union(*ids)) == 21 * 21 * 3
+    shares = {s: len(rows) / (21 * 21 * 3) for s, rows in splits.items()}
+    assert 0.11 < shares["test"] < 0.19 and 0.07 < shares["validation"] < 0.13, shares
+    for a in range(21):
+        for b in range(21):
+            for op in "+*":
+                assert arithmetic_split(a, op, b) == arithmetic_split(b, op, a), (a, op, b)
+    # subtraction is not commutative: 3-5 and 5-3 are different problems and may split apart
+    assert any(arithmetic_split(a, "-", b) != arithmetic_split(b, "-", a) for a in range(21) for b in range(21))
+    with pytest.raises(ValueError, match="split must be one of"):
+        arithmetic_rows(split="holdout")
+
+
+def test_the_curriculum_gate_selects_on_validation_and_the_evaluation_reports_test():
+    cfg = PipelineConfig.from_dict({"evaluate": {"gsm8k_size": -1, "arith_size": 500},
+                                    "register": {"primary": "arith_holdout"}})
+    stage = GRPOConfig(task="arithmetic", model="-")
+    validation, training = _ids(eval_rows(stage, 10_000)), _ids(train_rows(stage))
+    reported = _ids(eval_sets(cfg.evaluate, cfg.curriculum)["arith_holdout"])
+    assert validation and training and reported
+    assert not validation & training and not validation & reported and not reported & training
+
+
+@needs_gsm8k
+def test_gsm8k_validation_comes_from_train_and_is_never_trained_on(monkeypatch):
+    monkeypatch.setenv("GSM8K_DIR", str(GSM8K_DIR))
+    source = str(GSM8K_DIR)
+    train, validation = gsm8k_rows(source, "train"), gsm8k_rows(source, "validation")
+    assert len(train) + len(validation) == 7473 and 0.03 < len(validation) / 7473 < 0.07
+    assert not _ids(train) & _ids(validation)
+    stage = GRPOConfig(task="gsm8k", model="-", gsm8k_source=source)
+    periodic = eval_rows(stage, 100)
+    assert len(periodic) == 100 and _ids(periodic) <= _ids(validation)
+    assert not _ids(periodic) & _ids(train_rows(stage))
+    assert [r["id"] for r in gsm8k_rows(source, "test", limit=3)] == ["gsm8k_test:0", "gsm8k_test:1", "gsm8k_test:2"]
