@@ -99,7 +99,8 @@ class GRPOFlow(FlowSpec):
 
     @step
     def end(self):
-        """Print the summary table and close the MLflow runs."""
+        """Send any tracking points a stage kept for later, print the summary, close the MLflow runs."""
+        pipeline.replay_tracking(self._ctx().tracking_uri, [self.curriculum, self.gsm8k])
         print(pipeline.summary_table(self.results, self.curriculum, self.gsm8k, self.registry))
         pipeline.finish(self._ctx())
 

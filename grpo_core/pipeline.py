@@ -247,6 +247,32 @@ def register(cfg: PipelineConfig, ctx: RunContext, final: dict, datasets: dict, 
                           max_new_tokens=cfg.evaluate.max_new_tokens)
 
 
+def replay_tracking(tracking_uri: str, summaries: list[dict]) -> int:
+    """Send the points a stage could not (MLflow was down at its last flush; the stage kept them
+    beside its checkpoints, ``tracking_pending_uri``). A training pod's scratch dies with it, so
+    this runs in a later step. Replaying twice stores each point once (fixed timestamps).
+    Returns the number of metric points sent; on failure warns and leaves the file for later."""
+    from grpo_core.tracking import warn
+    from grpo_core.tracking_logger import MlflowTracker
+
+    sent = 0
+    for s in summaries:
+        uri = s.get("tracking_pending_uri")
+        text = storage.read_text(uri) if uri else None
+        if not text:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            spill = Path(tmp) / "pending_metrics.jsonl"
+            spill.write_text(text)
+            tracker = MlflowTracker(tracking_uri, s["tracking_run_id"], spill_path=str(spill))
+            points = tracker.delayed_points
+            if tracker.flush():
+                sent += points
+            else:
+                warn(f"MLflow still unreachable: {points} points of stage {s.get('stage')} stay in {uri}")
+    return sent
+
+
 def finish(ctx: RunContext, status: str = "FINISHED") -> None:
     from grpo_core.tracking import finish_run, mlflow_client
 

@@ -218,6 +218,19 @@ def list_dirs(uri: str) -> list[str]:
     return sorted(names)
 
 
+def write_text(uri: str, text: str) -> str:
+    """Write one small file to a local path (atomically) or an S3 key; returns ``uri``."""
+    if not is_s3(uri):
+        atomic_write_text(uri, text)
+        return uri
+    bucket, key = split_s3(uri)
+    try:
+        s3_client().put_object(Bucket=bucket, Key=key, Body=text.encode())
+    except Exception as exc:
+        raise _s3_error(exc, bucket, key) from exc
+    return uri
+
+
 def read_text(uri: str) -> str | None:
     """Contents of one file, or None if it does not exist."""
     if not is_s3(uri):

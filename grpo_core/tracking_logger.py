@@ -3,8 +3,9 @@
 ``Tracker`` is the logger interface (``log(metrics, step)`` ... ``close()``) and is a no-op,
 used on non-zero ranks and in tests. ``MlflowTracker`` only *buffers* metrics; the trainer
 calls ``flush()`` at checkpoint commits, so a crash-and-resume never logs a step twice, and a
-tracking outage delays points (spilled to a file at exit, replayed by the next process)
-instead of killing training. Run layout, params and redaction live in ``tracking``.
+tracking outage delays points (spilled to a file at exit and reloaded by the next tracker on
+that file: a resumed stage, or the flow's ``end`` step, which replays what a finished stage kept
+beside its checkpoints) instead of killing training. Run layout, params and redaction live in ``tracking``.
 """
 
 from __future__ import annotations

@@ -146,8 +146,8 @@ class Trainer:
         self.eval_rows = eval_rows(cfg, cfg.eval_size) if (cfg.eval_every or cfg.gate_metric) else None
         self.state = {"iteration": 0, "data_position": 0, "nonfinite_in_a_row": 0,
                       "skipped_updates": 0, "gate_hits": 0, "history": []}
-        self.tracker = open_tracker(cfg.tracking_uri, cfg.tracking_run_id, info.rank,
-                                    spill_path=str(self.out / "pending_metrics.jsonl"))
+        self.spill_path = self.out / "pending_metrics.jsonl"  # tracking points the server did not take
+        self.tracker = open_tracker(cfg.tracking_uri, cfg.tracking_run_id, info.rank, spill_path=str(self.spill_path))
 
     # ---------------------------------------------------------------- resume and checkpoints
     def resume(self) -> int:
@@ -456,6 +456,10 @@ class Trainer:
             self.tracker.flush()
             summary["tracking_delayed_points"] = getattr(self.tracker, "delayed_points", 0)
             self.tracker.close()
+            if self.spill_path.exists() and self.cfg.sync_uri:  # kept beside the checkpoints, for replay
+                summary["tracking_pending_uri"] = storage.write_text(
+                    storage.join(self.cfg.sync_uri, self.spill_path.name), self.spill_path.read_text())
+                summary["tracking_run_id"] = self.cfg.tracking_run_id
             storage.atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=1))
         dist.barrier()
         return summary

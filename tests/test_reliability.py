@@ -368,6 +368,33 @@ def test_training_completes_while_the_mlflow_server_is_down(tiny, tmp_path, monk
     assert any(r["kind"] == "param" and r["key"] == "lr" for r in spill)  # params wait for the server too
 
 
+def test_points_kept_during_an_outage_are_replayed_by_a_later_step(tiny, tmp_path, monkeypatch):
+    """MLflow unreachable for a whole stage (a dead address), the stage's run in a real store: the
+    stage keeps its unsent points beside its checkpoints (a training pod's scratch would die with
+    it) and the flow's ``end`` step (``pipeline.replay_tracking``) sends them once the store is
+    reachable, each once even when replayed twice."""
+    from mlflow import MlflowClient
+
+    from grpo_core.pipeline import replay_tracking
+    from grpo_core.tracking_logger import MlflowTracker
+
+    monkeypatch.setattr(MlflowTracker.__init__, "__kwdefaults__",
+                        {**MlflowTracker.__init__.__kwdefaults__, "max_retries": 1, "backoff_s": 0.05})
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(store)
+    run_id = client.create_run(client.create_experiment("outage")).info.run_id
+    dead = f"http://127.0.0.1:{free_port()}"
+    summary = main(_stage(tiny, tmp_path / "scratch", tracking_uri=dead, tracking_run_id=run_id,
+                          sync_uri=str(tmp_path / "store")))
+    assert summary["tracking_pending_uri"] == str(tmp_path / "store" / "pending_metrics.jsonl")
+    assert client.get_metric_history(run_id, "reward") == []
+    shutil.rmtree(tmp_path / "scratch")  # the pod is gone
+    assert replay_tracking(dead, [summary]) == 0  # still down: a warning, the file stays
+    assert replay_tracking(store, [summary]) == replay_tracking(store, [summary]) > 0
+    assert sorted(m.step for m in client.get_metric_history(run_id, "reward")) == [1, 2, 3, 4]
+    assert client.get_run(run_id).data.params["lr"] == "0.003"
+
+
 # ---------------------------------------------------------------- 6. disk full
 
 DISK_FULL = r"""
