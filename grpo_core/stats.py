@@ -80,14 +80,19 @@ def paired_accuracy_diff(a: Sequence[bool], b: Sequence[bool]) -> float:
     return accuracy(a) - accuracy(b)
 
 
-def window_change(values: Sequence[float], window: int = 10, z: float = 1.96) -> dict:
-    """Mean of the first vs the last ``window`` values, their difference and its ~95% interval.
+def window_change(values: Sequence[float], window: int = 10, level: float = 0.95) -> dict:
+    """Mean of the first vs the last ``window`` values, their difference and its Welch interval.
 
     Per-iteration training reward swings a lot (a fresh prompt sample each iteration), so
     "iteration 1 -> iteration N" says little; comparing window means with an unequal-variance
-    (Welch) normal interval says whether the curve rose by more than its noise. The window
-    shrinks to a quarter of the values for short runs so the two windows never overlap.
+    (Welch) t interval, Welch-Satterthwaite degrees of freedom, says whether the curve rose by
+    more than its noise (a normal z would be too narrow for windows of 10 or fewer). It treats
+    iterations as independent; the rewards of a policy that is learning are autocorrelated, so
+    read the interval as optimistic. The window shrinks to a quarter of the values for short
+    runs, so for two or more values the two windows never overlap.
     """
+    from scipy.stats import t as student_t
+
     vals = [float(v) for v in values]
     k = max(1, min(window, len(vals) // 4)) if vals else 0
     if k == 0:
@@ -99,6 +104,13 @@ def window_change(values: Sequence[float], window: int = 10, z: float = 1.96) ->
         return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else float("nan"))
 
     (m1, v1), (m2, v2) = mean_var(first), mean_var(last)
-    half = z * math.sqrt(v1 / k + v2 / k) if k > 1 else float("nan")
+    half = float("nan")
+    if k > 1:
+        se2 = v1 / k + v2 / k
+        if se2 == 0:
+            half = 0.0
+        else:
+            df = se2 ** 2 / ((v1 / k) ** 2 / (k - 1) + (v2 / k) ** 2 / (k - 1))
+            half = float(student_t.ppf(0.5 + level / 2, df)) * math.sqrt(se2)
     return {"window": k, "first": m1, "last": m2, "diff": m2 - m1,
             "ci_low": m2 - m1 - half, "ci_high": m2 - m1 + half}

@@ -91,7 +91,8 @@ def test_window_change_hand_values():
     # 8 values -> window 2 (a quarter): first [1, 2], last [7, 8]; each variance 0.5
     w = window_change([1, 2, 3, 4, 5, 6, 7, 8], window=10)
     assert (w["window"], w["first"], w["last"], w["diff"]) == (2, 1.5, 7.5, 6.0)
-    half = 1.96 * math.sqrt(0.5 / 2 + 0.5 / 2)
+    # Welch-Satterthwaite df = (0.25 + 0.25)^2 / (0.25^2 + 0.25^2) = 2; t(0.975, 2) = 4.302653
+    half = 4.302652729911275 * math.sqrt(0.5 / 2 + 0.5 / 2)
     assert w["ci_low"] == pytest.approx(6.0 - half) and w["ci_high"] == pytest.approx(6.0 + half)
 
 
@@ -103,7 +104,12 @@ def test_window_change_matches_statistics_module_and_handles_short_runs():
     a, b = vals[:3], vals[-3:]
     se = math.sqrt(statistics.variance(a) / 3 + statistics.variance(b) / 3)
     assert w["diff"] == pytest.approx(statistics.mean(b) - statistics.mean(a))
-    assert w["ci_high"] - w["ci_low"] == pytest.approx(2 * 1.96 * se)
+    from scipy.stats import ttest_ind  # an independent implementation of the Welch interval
+    ci = ttest_ind(b, a, equal_var=False).confidence_interval(0.95)
+    assert (w["ci_low"], w["ci_high"]) == pytest.approx((ci.low, ci.high))
+    assert w["ci_high"] - w["ci_low"] > 2 * 1.96 * se  # wider than the normal interval it replaced
+    flat = window_change([0.5] * 8, window=2)
+    assert (flat["ci_low"], flat["ci_high"]) == (0.0, 0.0)
     one = window_change([0.2, 0.9])  # a window of one value has no spread: no interval
     assert one["diff"] == pytest.approx(0.7) and math.isnan(one["ci_low"])
     with pytest.raises(ValueError, match="at least one value"):
