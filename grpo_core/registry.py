@@ -260,6 +260,15 @@ def register_model(uri: str, run_id: str, model_dir: str, name: str = "grpo-gsm8
     version = int(mv.version)
     if "decision" in mv.tags:
         result = json.loads(mv.tags["grpo.decision_json"])
+        champ = _champion(client, name)
+        if (result["decision"] in ("first", "promoted") and champ is not None
+                and int(champ.version) not in (version, result.get("champion_version"))):
+            # another version was promoted after this decision: re-applying it would take the
+            # champion alias back without a comparison with that version
+            print(f"[registry] {name} v{version}: its stored decision ({result['decision']}) is not re-applied: "
+                  f"v{champ.version} became champion since", file=sys.stderr)
+            _log_to_run(client, run_id, eval_items, result)
+            return result
     else:
         result = _decide_against_champion(client, name, eval_items[primary], primary, rule, alpha)
         result.update(version=version, model_name=name, rule=rule, eval_set=primary)

@@ -116,6 +116,11 @@ def test_registry_flow_sqlite(sqlite_uri, model_dir, capsys):
     assert again["version"] == 5 and len(client.search_model_versions(f"name='{name}'")) == 5
     assert aliases_by_version(client, name)[5] == ["champion"]
 
+    # replaying v3's register step (promoted over v1, at the time) must not take champion back from v5
+    v3_run = client.get_model_version(name, "3").run_id
+    assert _register(uri, model_dir, 50, run_id=v3_run)["version"] == 3
+    assert aliases_by_version(client, name)[5] == ["champion"]
+
     out = _load_and_predict(uri, name)
     assert isinstance(out, list) and len(out) == 1 and isinstance(out[0], str)
 
