@@ -352,14 +352,20 @@ def _policy_grad(w, feats, old, adv, mask, rows, **kw):
     return w.grad
 
 
-def test_dapo_split_invariance_across_ranks_and_microbatches():
-    g = torch.Generator().manual_seed(3)
-    B, T, F = 8, 6, 4
+def _linear_policy_problem(seed: int, B: int, T: int, F: int, keep: float, noise: float = 0.2):
+    """A float64 toy policy logp = -softplus(feats @ w) with old log-probs, advantages and a mask."""
+    g = torch.Generator().manual_seed(seed)
     feats = torch.randn(B, T, F, generator=g, dtype=torch.float64)
     w = torch.randn(F, generator=g, dtype=torch.float64)
-    old = -torch.nn.functional.softplus(feats @ w) + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    old = -torch.nn.functional.softplus(feats @ w) + noise * torch.randn(B, T, generator=g, dtype=torch.float64)
     adv = torch.randn(B, generator=g, dtype=torch.float64)
-    mask = torch.rand(B, T, generator=g) < 0.6
+    mask = torch.rand(B, T, generator=g) < keep
+    return feats, w, old, adv, mask
+
+
+def test_dapo_split_invariance_across_ranks_and_microbatches():
+    B, T = 8, 6
+    feats, w, old, adv, mask = _linear_policy_problem(3, B, T, 4, 0.6)
     mask[0, :] = True  # make rank 0 much longer than rank 1 so per-rank normalisation would differ
     mask[1, :] = True
     total = int(mask.sum())
@@ -381,13 +387,8 @@ def test_dapo_split_invariance_across_ranks_and_microbatches():
 def test_global_counts_make_uneven_rank_splits_and_micro_batches_invariant(loss_type):
     """Ranks holding 3 and 5 sequences (dynamic sampling keeps different numbers per rank), each in
     two micro-batches weighted by micro_batch_weight: DDP's mean equals one process's gradient."""
-    g = torch.Generator().manual_seed(5)
-    B, T, F = 8, 6, 4
-    feats = torch.randn(B, T, F, generator=g, dtype=torch.float64)
-    w = torch.randn(F, generator=g, dtype=torch.float64)
-    old = -torch.nn.functional.softplus(feats @ w) + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    adv = torch.randn(B, generator=g, dtype=torch.float64)
-    mask = torch.rand(B, T, generator=g) < 0.6
+    B, T = 8, 6
+    feats, w, old, adv, mask = _linear_policy_problem(5, B, T, 4, 0.6)
     mask[0, :] = True
     counts = dict(global_token_count=int(mask.sum()), global_sequence_count=B, world_size=2, max_completion_length=T)
     full = _policy_grad(w, feats, old, adv, mask, slice(0, B), loss_type=loss_type, max_completion_length=T)
@@ -413,13 +414,8 @@ def test_global_counts_make_uneven_rank_splits_and_micro_batches_invariant(loss_
 def test_micro_batch_weights_sum_micro_losses_to_the_batch_loss(loss_type, global_counts):
     """One rank, 7 sequences in micro-batches of 2, 4 and 1: the weighted micro-batch losses and
     gradients sum to the whole batch's, with or without global counts passed to grpo_loss."""
-    g = torch.Generator().manual_seed(9)
-    B, T, F = 7, 5, 3
-    feats = torch.randn(B, T, F, generator=g, dtype=torch.float64)
-    w = torch.randn(F, generator=g, dtype=torch.float64)
-    old = -torch.nn.functional.softplus(feats @ w) + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    adv = torch.randn(B, generator=g, dtype=torch.float64)
-    mask = torch.rand(B, T, generator=g) < 0.5
+    B, T = 7, 5
+    feats, w, old, adv, mask = _linear_policy_problem(9, B, T, 3, 0.5, noise=0.3)
     mask[6] = False  # an empty sequence in a micro-batch of its own
     kw = dict(loss_type=loss_type, max_completion_length=T)
     if global_counts:
