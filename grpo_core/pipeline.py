@@ -220,15 +220,22 @@ def log_evaluation(ctx: RunContext, results: list[dict], datasets: dict) -> None
 
     run_id = child_run(ctx, "evaluate", datasets, names=[n for n in ("gsm8k_test", "arith_holdout")
                                                           if n in results[0]["summary"]])
+    from grpo_core.tracking import mlflow_client
+
+    logged = set(mlflow_client(ctx.tracking_uri).get_run(run_id).data.metrics)  # a rerun logs nothing twice
     with open_tracker(ctx.tracking_uri, run_id) as t:
         for r in results:
             for name, s in r["summary"].items():
                 prefix = f"eval/{name}/{r['stage']}"
+                if f"{prefix}/accuracy" in logged:
+                    continue
                 t.log({f"{prefix}/accuracy": s["accuracy"], f"{prefix}/ci_low": s["ci_low"],
                        f"{prefix}/ci_high": s["ci_high"], f"{prefix}/n": s["n"]}, step=0)
                 t.log_dict(r["items"][name], f"eval/{r['stage']}/items_{name}.json")
         final = results[-1]
         for name, s in final["summary"].items():  # the shipped model's numbers, unqualified
+            if f"eval/{name}/accuracy" in logged:
+                continue
             t.log({f"eval/{name}/accuracy": s["accuracy"], f"eval/{name}/accuracy_ci_low": s["ci_low"],
                    f"eval/{name}/accuracy_ci_high": s["ci_high"]}, step=0)
 

@@ -215,3 +215,22 @@ def test_known_outage_costs_one_probe_per_call_not_a_full_backoff(mlflow_server)
     assert tracker._call("metrics", unreachable) == "down" and len(tries) == 5
     assert tracker._call("metrics", lambda: None) == "ok"  # the server is back: full retries again
     assert tracker._call("metrics", unreachable) == "down" and len(tries) == 9
+
+
+def test_a_rerun_of_the_evaluation_logging_adds_no_second_point(sqlite_uri):
+    """join_evaluations run again (its task failed after logging): every accuracy stays one point."""
+    from grpo_core.pipeline import RunContext, log_evaluation
+    from grpo_core.tracking import start_parent_run
+
+    parent = start_parent_run(sqlite_uri, "rerun", {"grpo.config": "t"})
+    ctx = RunContext("F", "1", None, "/tmp/unused", sqlite_uri, parent)
+    datasets = {"arith_holdout": {"source": "arithmetic:+-*:0..20", "split": "test", "digest": "d"}}
+    results = [{"stage": stage, "summary": {"arith_holdout": {"accuracy": acc, "ci_low": 0.1, "ci_high": 0.9, "n": 4}},
+                "items": {"arith_holdout": [{"item_id": "a", "correct": True}]}}
+               for stage, acc in (("sft", 0.25), ("gsm8k", 0.5))]
+    for _ in range(2):
+        log_evaluation(ctx, results, datasets)
+    client = _client(sqlite_uri)
+    run = client.search_runs([client.get_run(parent).info.experiment_id], "tags.`grpo.stage` = 'evaluate'")[0]
+    for key, value in (("eval/arith_holdout/sft/accuracy", 0.25), ("eval/arith_holdout/accuracy", 0.5)):
+        assert [m.value for m in client.get_metric_history(run.info.run_id, key)] == [value], key
