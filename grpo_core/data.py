@@ -214,4 +214,9 @@ def eval_rows(cfg, size: int) -> list[dict]:
         rows = arithmetic_rows(cfg.arith_ops, cfg.arith_min, cfg.arith_max, "validation")
     else:
         rows = gsm8k_rows(gsm8k_source(cfg.gsm8k_source), "validation")
+    return fixed_subset(rows, size)
+
+
+def fixed_subset(rows: list[dict], size: int) -> list[dict]:
+    """The same ``size`` rows (all, if fewer) on every call: a seeded shuffle's first ones."""
     return PromptStream(rows, seed=12345).take(0, min(size, len(rows)))

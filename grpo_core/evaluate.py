@@ -47,13 +47,13 @@ def summarize(results: list[dict]) -> dict:
 def eval_sets(eval_cfg, arith: dict) -> dict[str, list[dict]]:
     """The pipeline's held-out sets: GSM8K test (first N, or all) and held-out arithmetic."""
     from grpo_core.config import gsm8k_source
-    from grpo_core.data import PromptStream, arithmetic_rows, gsm8k_rows
+    from grpo_core.data import arithmetic_rows, fixed_subset, gsm8k_rows
 
     sets = {}
     if eval_cfg.arith_size:
         rows = arithmetic_rows(arith.get("arith_ops", "+-*"), arith.get("arith_min", 0),
                                arith.get("arith_max", 20), "test")
-        sets["arith_holdout"] = PromptStream(rows, seed=12345).take(0, min(eval_cfg.arith_size, len(rows)))
+        sets["arith_holdout"] = fixed_subset(rows, eval_cfg.arith_size)
     if eval_cfg.gsm8k_size >= 0:  # -1 skips GSM8K
         source = gsm8k_source(arith.get("gsm8k_source", "openai/gsm8k"))
         sets["gsm8k_test"] = gsm8k_rows(source, "test", limit=eval_cfg.gsm8k_size or None)

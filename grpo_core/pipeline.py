@@ -216,12 +216,11 @@ def evaluate_checkpoint(cfg: PipelineConfig, stage: str, model_uri: str) -> dict
 
 def log_evaluation(ctx: RunContext, results: list[dict], datasets: dict) -> None:
     """Every stage's accuracy, named by its data, on the evaluate child run (+ per-item JSON)."""
+    from grpo_core.tracking import mlflow_client
     from grpo_core.tracking_logger import open_tracker
 
     run_id = child_run(ctx, "evaluate", datasets, names=[n for n in ("gsm8k_test", "arith_holdout")
                                                           if n in results[0]["summary"]])
-    from grpo_core.tracking import mlflow_client
-
     logged = set(mlflow_client(ctx.tracking_uri).get_run(run_id).data.metrics)  # a rerun logs nothing twice
     with open_tracker(ctx.tracking_uri, run_id) as t:
         for r in results:

@@ -258,22 +258,22 @@ def register_model(uri: str, run_id: str, model_dir: str, name: str = "grpo-gsm8
     client = mlflow_client(uri)
     mv = _find_or_create_version(client, uri, name, run_id, model_dir, eval_items, tags, max_new_tokens)
     version = int(mv.version)
+    superseded_by = None
     if "decision" in mv.tags:
         result = json.loads(mv.tags["grpo.decision_json"])
         champ = _champion(client, name)
         if (result["decision"] in ("first", "promoted") and champ is not None
                 and int(champ.version) not in (version, result.get("champion_version"))):
-            # another version was promoted after this decision: re-applying it would take the
-            # champion alias back without a comparison with that version
-            print(f"[registry] {name} v{version}: its stored decision ({result['decision']}) is not re-applied: "
-                  f"v{champ.version} became champion since", file=sys.stderr)
-            _log_to_run(client, run_id, eval_items, result)
-            return result
+            superseded_by = int(champ.version)
     else:
         result = _decide_against_champion(client, name, eval_items[primary], primary, rule, alpha)
         result.update(version=version, model_name=name, rule=rule, eval_set=primary)
         _tag_version(client, name, version, eval_items, result)
-    _apply_aliases(client, name, version, result)
+    if superseded_by is None:
+        _apply_aliases(client, name, version, result)
+    else:  # re-applying the stored decision would take champion back without a comparison
+        print(f"[registry] {name} v{version}: its stored decision ({result['decision']}) is not re-applied: "
+              f"v{superseded_by} became champion since", file=sys.stderr)
     _log_to_run(client, run_id, eval_items, result)
     print(f"[registry] {name} v{version}: {result['decision']} ({result['reason']}; "
           f"{result['compared_items']} items of {result.get('eval_set', primary)} compared)", file=sys.stderr)

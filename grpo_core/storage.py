@@ -147,8 +147,8 @@ def put_dir(local_dir: str | Path, uri: str) -> str:
         raise ValueError(f"put_dir to {uri!r} would replace the whole bucket; use s3://BUCKET/PREFIX")
     client = s3_client()
     files = sorted((p for p in local_dir.rglob("*") if p.is_file()), key=lambda p: (p.name == "manifest.json", str(p)))
-    for path in files:  # a manifest goes last: its presence marks the upload complete
-        key = f"{prefix}/{path.relative_to(local_dir).as_posix()}".lstrip("/")
+    keys = {path: f"{prefix}/{path.relative_to(local_dir).as_posix()}" for path in files}
+    for path, key in keys.items():  # a manifest goes last: its presence marks the upload complete
         try:
             client.upload_file(str(path), bucket, key)
             size = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
@@ -157,8 +157,8 @@ def put_dir(local_dir: str | Path, uri: str) -> str:
         if size != path.stat().st_size:
             raise RuntimeError(f"upload of s3://{bucket}/{key} is incomplete: {size} of "
                                f"{path.stat().st_size} bytes; the checkpoint does not count")
-    keep = {f"{prefix}/{p.relative_to(local_dir).as_posix()}".lstrip("/") for p in files}
-    stale = [k for k in _list_keys(client, bucket, prefix + "/") if k not in keep]
+    kept = set(keys.values())
+    stale = [k for k in _list_keys(client, bucket, prefix + "/") if k not in kept]
     for i in range(0, len(stale), 1000):  # delete_objects takes at most 1000 keys
         try:
             errors = client.delete_objects(Bucket=bucket, Delete={

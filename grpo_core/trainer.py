@@ -275,8 +275,7 @@ class Trainer:
         # one collective: the loss normalisers over all ranks, so no rank's share depends on the split
         global_tokens, global_rows = dist.all_reduce_sum([float(mask.sum()), float(rows.sum())], dev)
         if global_tokens == 0:  # nothing to learn anywhere (e.g. every completion masked): no step
-            return dict.fromkeys(("kl", "loss", "pg_loss", "clip_frac", "clip_frac_low", "clip_frac_high",
-                                  "ratio_mean", "ratio_max", "entropy", "num_tokens", "grad_norm"), 0.0)
+            return {**_MergedStats().result(), "grad_norm": 0.0}
         parts = batch.split_groups(c.micro_batch_groups)
         masks = [mask] if len(parts) == 1 else list(mask.split([len(p) for p in parts]))
         t0 = time.perf_counter()
