@@ -138,9 +138,7 @@ class Trainer:
             self.ddp = wrap_ddp(self.scorer, info)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                      fused=_fused_adamw_ok(self.model))
-        warm = max(cfg.warmup_iters, 0)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda it: min(1.0, (it + 1) / warm) if warm else 1.0)
+        self.sched = self._schedule()
         self.rewards = resolve_specs([RewardSpec(**r) for r in cfg.rewards])
         self.stream = PromptStream(train_rows(cfg), cfg.seed)
         self.eval_rows = eval_rows(cfg, cfg.eval_size) if (cfg.eval_every or cfg.gate_metric) else None
@@ -160,10 +158,20 @@ class Trainer:
         if not path_str[0]:
             return 0
         self.state = checkpoint.load(path_str[0], self.model, self.opt, self.sched)
+        self.sched = self._schedule(done_iterations=self.state["iteration"])
         self._restore_metrics(Path(path_str[0]), self.state["iteration"])
         self._republish(Path(path_str[0]), self.state["iteration"])
         dist.print0(f"[{self.cfg.stage}] resumed from {path_str[0]} at iteration {self.state['iteration']}")
         return self.state["iteration"]
+
+    def _schedule(self, done_iterations: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+        """Linear warm-up over ``warmup_iters`` iterations. Its position is the number of
+        iterations done, so a resume sets it from the checkpoint's iteration rather than trusting
+        the saved counter: checkpoints written before the schedule advanced once per iteration
+        counted optimizer steps, which ran ahead of the iterations with mu > 1."""
+        warm = max(self.cfg.warmup_iters, 0)
+        return torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda it: min(1.0, (it + 1) / warm) if warm else 1.0, last_epoch=done_iterations - 1)
 
     def _republish(self, ckpt: Path, iteration: int) -> None:
         """Copy a checkpoint found elsewhere (the origin run of a flow ``resume``) to this run's

@@ -333,6 +333,22 @@ def test_warmup_counts_iterations_whatever_mu_is(tiny, tmp_path):
     assert lrs[1] == lrs[3] == pytest.approx([2.5e-4, 5e-4, 7.5e-4])
 
 
+def test_resume_takes_the_warmup_position_from_the_iteration_not_the_saved_counter(tiny, tmp_path):
+    """A checkpoint written when the schedule stepped once per optimizer step (mu=3: 6 steps by
+    iteration 2) resumes at iteration 3's rate, 3/4 of lr under warmup_iters=4, not at full lr."""
+    old = _in_process_trainer(tiny, tmp_path, warmup_iters=4, lr=1e-3, mu=3)
+    for _ in range(6):
+        old.opt.step()
+        old.sched.step()
+    assert old.sched.get_last_lr()[0] == pytest.approx(1e-3)
+    old.state["iteration"] = 2
+    old.save_checkpoint(2)
+    resumed = _in_process_trainer(tiny, tmp_path, warmup_iters=4, lr=1e-3, mu=3)
+    assert resumed.resume() == 2
+    assert resumed.sched.get_last_lr()[0] == pytest.approx(7.5e-4)
+    assert resumed.opt.param_groups[0]["lr"] == pytest.approx(7.5e-4)
+
+
 def test_torchrun_batch_scale_uses_the_std_over_all_ranks(tiny, tmp_path):
     """The two halves' reward stds (0.577, 0.479) differ from the whole batch's (0.496): a per-rank
     std would change the update, the all-reduced one leaves it equal to one process's."""
