@@ -25,18 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # grpo_core, also when run as a plain script
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # grpo_core, lockstep, trl_runner (also as a plain script)
+from lockstep import ITER, READY, RESULT, compare, cpu_set, pin_cpus, run_lockstep  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 REWARD_FN = "grpo_core.rewards:target_char_fraction"
 # name -> model and rollout shape; "ref" is the issue's reference config
@@ -161,7 +160,7 @@ def worker(args) -> dict:
     import torch
 
     if args.cpus:
-        os.sched_setaffinity(0, _cpu_set(args.cpus))
+        os.sched_setaffinity(0, cpu_set(args.cpus))
     torch.set_num_threads(args.threads)
     spec = CONFIGS[args.config]
     t0 = time.perf_counter()
@@ -172,7 +171,6 @@ def worker(args) -> dict:
         disable_levers(levers)
         rows = run_ours(spec, args.model_dir, args.iters, args.warmup, gate, emit, compile_scoring=compiled)
     else:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from trl_runner import run_trl
 
         rows = run_trl(spec, COMMON, REWARD_FN, args.model_dir, args.iters, args.warmup, gate, emit,
@@ -184,113 +182,6 @@ def worker(args) -> dict:
                peak_rss_mb=round(peak_rss_mb(), 1), wall_s=round(time.perf_counter() - t0, 2),
                final_reward=rows[-1].get("reward_mean"), final_kl=rows[-1].get("kl"), released_at=released)
     return res
-
-
-# ----------------------------------------------------------------------------- the parent: lockstep
-
-READY, ITER, RESULT = "READY", "ITER ", "RESULT "  # tags of the worker's stdout lines (others are ignored)
-
-
-def _cpu_set(cpus: str) -> set[int]:
-    return {int(c) for c in cpus.split(",")}
-
-
-def _go(proc) -> None:
-    proc.stdin.write("go\n")
-    proc.stdin.flush()
-
-
-def _lines(proc, out: queue.Queue) -> None:
-    for line in proc.stdout:
-        out.put(line)
-    out.put(None)  # EOF: the worker exited
-
-
-def _next_tagged(side: str, lines: queue.Queue, tag: str, timeout: float, err) -> str:
-    while True:
-        try:
-            line = lines.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(f"{side}: no {tag.strip()} line within {timeout} s") from None
-        if line is None:
-            err.seek(0)
-            raise RuntimeError(f"{side} exited before its {tag.strip()} line:\n{err.read()[-4000:]}")
-        if line.startswith(tag):
-            return line[len(tag):]
-
-
-def run_lockstep(sides: list[str], config: str, model_dir: Path, args) -> dict[str, dict]:
-    """One run of every side, in lockstep: one worker process per side (so peak RSS is that side's
-    alone), all started, then iteration i of each side in turn (A B, then B A, ...), each waiting
-    while the others run. Iteration i of ours and of TRL are seconds apart, so the per-iteration
-    pairs see the same machine; this machine's speed drifts by +-25% between runs a minute apart.
-    """
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error"}
-    procs = {}
-    try:
-        for side in sides:
-            cmd = [sys.executable, __file__, "--worker", side, "--config", config, "--model-dir", str(model_dir),
-                   "--iters", str(args.iters), "--warmup", str(args.warmup), "--threads", str(args.threads),
-                   "--cpus", args.cpus or ""]
-            err = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty worker never blocks on it
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                    env=env, cwd=ROOT)
-            lines = queue.Queue()
-            threading.Thread(target=_lines, args=(proc, lines), daemon=True).start()
-            procs[side] = (proc, lines, err)
-        for side, (_, lines, err) in procs.items():  # every worker loaded and idle before the first iteration
-            _next_tagged(side, lines, READY, args.timeout, err)
-        n = args.iters + args.warmup
-        for it in range(n):
-            for side in (sides if it % 2 == 0 else sides[::-1]):
-                proc, lines, err = procs[side]
-                _go(proc)
-                _next_tagged(side, lines, ITER, args.timeout, err)
-                _next_tagged(side, lines, READY, args.timeout, err)  # idle again before the next side goes
-        for proc, _, _ in procs.values():  # all done: let every worker wrap up and report
-            _go(proc)
-        return {side: json.loads(_next_tagged(side, lines, RESULT, args.timeout, err))
-                for side, (_, lines, err) in procs.items()}
-    finally:
-        for proc, _, err in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            err.close()
-
-
-def compare(runs: dict[str, list[dict]]) -> dict:
-    med = lambda side, f: statistics.median(f(r) for r in runs[side])  # noqa: E731
-    out = {}
-    for side, rs in runs.items():
-        out[side] = {"s_per_iter": med(side, lambda r: r["s_per_iter"]),
-                     "cpu_s_per_iter": med(side, lambda r: r["cpu_s_per_iter"]),
-                     "tokens_per_s": med(side, lambda r: r["tokens_per_s"]),
-                     "peak_rss_mb": med(side, lambda r: r["peak_rss_mb"]),
-                     "mean_completion_len": med(side, lambda r: r["mean_completion_len"]),
-                     "split_s": {k: med(side, lambda r, k=k: r["split_s"][k]) for k in rs[0]["split_s"]},
-                     "runs_s_per_iter": [round(r["s_per_iter"], 4) for r in rs]}
-    base = "trl" if "trl" in runs else None
-    for side in runs:
-        if base and side != base:  # paired ratios: run i of this side against run i of the baseline
-            pairs = [a["s_per_iter"] / b["s_per_iter"] for a, b in zip(runs[side], runs[base])]
-            # and iteration i of this side against iteration i of the baseline (run in lockstep)
-            iters = [x / y for a, b in zip(runs[side], runs[base])
-                     for x, y in zip(a["all_s_per_iter"][a["iters_warmup"]:], b["all_s_per_iter"][b["iters_warmup"]:])]
-            out[side].update(ratio_vs_trl=out[side]["s_per_iter"] / out[base]["s_per_iter"],
-                             ratio_vs_trl_pairs_median=statistics.median(pairs),
-                             ratio_vs_trl_pairs=[round(p, 3) for p in pairs],
-                             ratio_vs_trl_iter_pairs_median=statistics.median(iters),
-                             ratio_vs_trl_iter_pairs_iqr=[round(q, 3) for q in _quartiles(iters)],
-                             cpu_ratio_vs_trl=out[side]["cpu_s_per_iter"] / out[base]["cpu_s_per_iter"],
-                             rss_ratio_vs_trl=out[side]["peak_rss_mb"] / out[base]["peak_rss_mb"])
-    return out
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float]:
-    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
-    return q[0], q[2]
 
 
 def cpu_model() -> dict:
@@ -366,20 +257,11 @@ def main(argv=None) -> dict:
         args.cpus = ",".join(map(str, pin_cpus(sorted(parent_cpus), args.threads)))
     try:
         if args.cpus and len(parent_cpus) > args.threads:  # the parent and its reader threads off the workers' CPUs
-            os.sched_setaffinity(0, parent_cpus - _cpu_set(args.cpus))
+            os.sched_setaffinity(0, parent_cpus - cpu_set(args.cpus))
         return _run(args, sides)
     finally:
         if parent_cpus:
             os.sched_setaffinity(0, parent_cpus)
-
-
-def pin_cpus(cpus: list[int], threads: int) -> list[int]:
-    """The CPUs every worker runs on: the last ``threads`` of those allowed. Only one worker runs at
-    a time, so sharing them costs nothing, and every side gets the same cores. Unpinned, the OS
-    kept each worker on its own vCPU, and on this VM two of our sides measured 1.065x apart per
-    iteration (median) and up to 1.18x in decoding, which is the same code on both; pinned, 1.04x,
-    and 1.00x with the two sides' order swapped (`ref`, 32 iteration pairs each)."""
-    return cpus[-threads:] if threads < len(cpus) else cpus
 
 
 def _run(args, sides: list[str]) -> dict:
@@ -393,7 +275,7 @@ def _run(args, sides: list[str]) -> dict:
             model_dir = build_model_dir(CONFIGS[name], Path(tmp) / name)
             runs = {s: [] for s in sides}
             for r in range(args.repeats):
-                results = run_lockstep(sides, name, model_dir, args)
+                results = run_lockstep(__file__, sides, name, model_dir, args)
                 for side in sides:
                     res = results[side]
                     runs[side].append(res)

@@ -38,8 +38,8 @@ from grpo_core.algorithm import group_advantages, grpo_loss, token_logprobs  # n
 from grpo_core.decode import sample_inverse_cdf, sample_shared_prefix  # noqa: E402
 from grpo_core.rollout import _generate, completion_mask  # noqa: E402
 from grpo_core.scoring import completion_logprobs, groups_share_prompts  # noqa: E402
-from grpo_core.trainer import wrap_ddp  # noqa: E402
 from grpo_core.types import RolloutBatch  # noqa: E402
+from grpo_core.update_parts import wrap_ddp  # noqa: E402
 
 BIG = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
            intermediate_size=4864, vocab_size=151936)  # Qwen2-0.5B's shape

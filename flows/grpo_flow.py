@@ -24,7 +24,7 @@ from metaflow import Config, FlowSpec, card, current, step
 from compute import train_compute
 from grpo_core import pipeline
 from cards import stage_table_card, training_card, training_result
-from grpo_core.config import PipelineConfig, parse_config_text
+from grpo_core.pipeline_config import PipelineConfig, parse_config_text
 
 LOCAL_DEFAULT = str(Path(__file__).resolve().parent / "configs" / "local.toml")
 

@@ -69,7 +69,7 @@ def main(argv=None):
     p.add_argument("--size", type=int, default=200)
     p.add_argument("--max-new-tokens", type=int, default=64)
     a = p.parse_args(argv)
-    from grpo_core.config import EvalConfig
+    from grpo_core.pipeline_config import EvalConfig
 
     arith = a.set == "arith_holdout"
     cfg = EvalConfig(gsm8k_size=-1 if arith else a.size, arith_size=a.size if arith else 0,

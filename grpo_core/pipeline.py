@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from grpo_core import storage
-from grpo_core.config import METRICS_FILE, PipelineConfig, gsm8k_source
+from grpo_core.config import METRICS_FILE, gsm8k_source
+from grpo_core.pipeline_config import PipelineConfig
 from grpo_core.tracking import read_jsonl
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from grpo_core.config import SFTConfig, gsm8k_source
+from grpo_core.config import gsm8k_source
+from grpo_core.pipeline_config import SFTConfig
 from grpo_core.data import arithmetic_rows, gsm8k_rows, sft_target
 from grpo_core.models import build_tiny, save_policy
 from grpo_core.rollout import render_prompts

@@ -29,85 +29,18 @@ from grpo_core.models import load_policy, save_policy
 from grpo_core.objective import objective_card
 from grpo_core.rewards import RewardSpec, combine_rewards, resolve_specs
 from grpo_core.rollout import generate_rollouts
-from grpo_core.scoring import CompletionScorer, completion_logprobs
+from grpo_core.scoring import completion_logprobs
 from grpo_core.stats import window_change
 from grpo_core.tracking import plot_curves, read_jsonl
 from grpo_core.tracking_logger import open_tracker
 from grpo_core.types import RolloutBatch
+from grpo_core.update_parts import MergedStats, compile_for_scoring, fused_adamw_ok, scored_without_grad, wrap_ddp
 
 MAX_NONFINITE_IN_A_ROW = 3  # consecutive skipped updates before the stage stops with an error
 
 
 class NonFiniteError(RuntimeError):
     pass
-
-
-def wrap_ddp(model, info: dist.DistInfo):
-    """DDP around the policy's scorer, so shared-prefix scoring is one forward per backward."""
-    ids = [info.local_rank] if info.device.type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(CompletionScorer(model), device_ids=ids)
-
-
-def compile_for_scoring(model):
-    """``torch.compile`` of a policy for scoring: dynamic shapes, since every batch's rows, prompt
-    length and completion chunks differ (static shapes would recompile nearly every call). The
-    compiled module shares the model's parameters; the decoder and checkpoints use the model.
-
-    The policy and the reference share transformers' forward code, and dynamo keeps one cache of
-    compiled variants per code object: prompt vs completion calls, with and without grad, for both
-    models. Its default limit (8) could be reached and silently fall back to eager, so it is raised.
-    """
-    try:
-        import torch._inductor.compile_fx  # noqa: F401  (torch.compile loads it; fail here, clearly)
-    except TypeError as e:  # seen in a process where metaflow's vendored typing_extensions was loaded
-        raise RuntimeError(
-            f"compile_scoring: torch's compiler cannot be loaded in this process ({e}). Another copy of "
-            "typing_extensions (metaflow vendors one) replaced typing._collect_parameters. Train in a "
-            "process of its own (python -m grpo_core.train, or torchrun, as the flow's steps do), or set "
-            "compile_scoring = false.") from e
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(model, dynamic=True)
-
-
-def _fused_adamw_ok(model) -> bool:
-    """torch's fused AdamW (one kernel per parameter; also HF Trainer's default) where it exists:
-    float parameters on CPU or CUDA. 2.1 -> 0.6 ms per step for a 0.5M-parameter model on CPU."""
-    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in model.parameters())
-
-
-def _scored_without_grad(model, batch: RolloutBatch, temperature: float) -> torch.Tensor:
-    """Completion log-probs [B, T] as constants (reference / old policy). Under ``inference_mode``
-    (no version counters or view tracking: 0.95x of ``no_grad``'s time for the reference forward
-    at t64), then cloned into a normal tensor, which the loss's autograd graph may hold."""
-    with torch.inference_mode():
-        logp, _ = completion_logprobs(model, batch, temperature)
-    return logp.clone()
-
-
-class _MergedStats:
-    """One update's statistics over its micro-batches, as if computed on the whole rank batch:
-    token means weighted by tokens, the losses summed with the micro-batch weights, max as max."""
-
-    MEANS = ("kl", "clip_frac_low", "clip_frac_high", "clip_frac", "ratio_mean", "entropy")
-
-    def __init__(self):
-        self.sums = dict.fromkeys(self.MEANS, 0.0)
-        self.tokens = self.loss = self.pg_loss = self.ratio_max = 0.0
-
-    def add(self, stats: dict, entropy: float, loss: float, weight: float) -> None:
-        """``stats`` of one micro-batch's grpo_loss, its entropy, its weighted loss and weight."""
-        n = stats["num_tokens"]
-        for k in self.MEANS:
-            self.sums[k] += (entropy if k == "entropy" else stats[k]) * n
-        self.tokens += n
-        self.loss += loss
-        self.pg_loss += stats["pg_loss"] * weight
-        self.ratio_max = max(self.ratio_max, stats["ratio_max"])
-
-    def result(self) -> dict:
-        means = {k: v / max(self.tokens, 1.0) for k, v in self.sums.items()}
-        return {**means, "loss": self.loss, "pg_loss": self.pg_loss, "ratio_max": self.ratio_max,
-                "num_tokens": self.tokens}
 
 
 def iteration_seed(seed: int, iteration: int, rank: int) -> int:
@@ -137,7 +70,7 @@ class Trainer:
         if info.world_size > 1:
             self.ddp = wrap_ddp(self.scorer, info)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                     fused=_fused_adamw_ok(self.model))
+                                     fused=fused_adamw_ok(self.model))
         self.sched = self._schedule()
         self.rewards = resolve_specs([RewardSpec(**r) for r in cfg.rewards])
         self.stream = PromptStream(train_rows(cfg), cfg.seed)
@@ -283,19 +216,19 @@ class Trainer:
         # one collective: the loss normalisers over all ranks, so no rank's share depends on the split
         global_tokens, global_rows = dist.all_reduce_sum([float(mask.sum()), float(rows.sum())], dev)
         if global_tokens == 0:  # nothing to learn anywhere (e.g. every completion masked): no step
-            return {**_MergedStats().result(), "grad_norm": 0.0}
+            return {**MergedStats().result(), "grad_norm": 0.0}
         parts = batch.split_groups(c.micro_batch_groups)
         masks = [mask] if len(parts) == 1 else list(mask.split([len(p) for p in parts]))
         t0 = time.perf_counter()
         for part in parts:
             if self.ref is not None:
-                part.ref_logp = _scored_without_grad(self.ref_scorer, part, c.temperature)
+                part.ref_logp = scored_without_grad(self.ref_scorer, part, c.temperature)
             if c.mu > 1:
-                part.old_logp = _scored_without_grad(self.scorer, part, c.temperature)
+                part.old_logp = scored_without_grad(self.scorer, part, c.temperature)
         self.timings["time_ref"] += time.perf_counter() - t0
         for _ in range(c.mu):
             self.opt.zero_grad(set_to_none=True)
-            merged = _MergedStats()
+            merged = MergedStats()
             for k, (part, pmask) in enumerate(zip(parts, masks)):
                 accumulate = k < len(parts) - 1 and isinstance(self.ddp, torch.nn.parallel.DistributedDataParallel)
                 with self.ddp.no_sync() if accumulate else contextlib.nullcontext():

@@ -9,6 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_grpo  # noqa: E402
 import gpu_check  # noqa: E402
+import lockstep  # noqa: E402
 
 
 def test_summary_and_paired_ratios_from_synthetic_runs():
@@ -17,12 +18,12 @@ def test_summary_and_paired_ratios_from_synthetic_runs():
     s = bench_grpo.summarize(rows, warmup=1)
     assert s["s_per_iter"] == 2.0 and s["iters_measured"] == 3 and s["mean_completion_len"] == 25.0
     runs = {"ours": [dict(s, peak_rss_mb=100.0)], "trl": [dict(s, s_per_iter=4.0, peak_rss_mb=200.0)]}
-    out = bench_grpo.compare(runs)
+    out = lockstep.compare(runs)
     assert out["ours"]["ratio_vs_trl"] == 0.5 and out["ours"]["rss_ratio_vs_trl"] == 0.5
     assert "ratio_vs_trl" not in out["trl"]
     # iteration pairs: ours (1, 2, 3) against TRL (1, 2, 3) x (4, 1, 0.5) after the warm-up one
     trl = dict(s, all_s_per_iter=[9.0, 4.0, 2.0, 1.5], peak_rss_mb=200.0)
-    out = bench_grpo.compare({"ours": [dict(s, peak_rss_mb=100.0)], "trl": [trl]})
+    out = lockstep.compare({"ours": [dict(s, peak_rss_mb=100.0)], "trl": [trl]})
     assert out["ours"]["ratio_vs_trl_iter_pairs_median"] == 1.0  # median of 0.25, 1.0, 2.0
 
 

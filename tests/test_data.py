@@ -2,7 +2,8 @@
 are disjoint, so no reported accuracy is chosen on the items it reports."""
 import pytest
 
-from grpo_core.config import GRPOConfig, PipelineConfig
+from grpo_core.config import GRPOConfig
+from grpo_core.pipeline_config import PipelineConfig
 from grpo_core.data import SPLITS, arithmetic_rows, arithmetic_split, eval_rows, gsm8k_rows, train_rows
 from grpo_core.evaluate import eval_sets
 from tests.helpers import GSM8K_DIR

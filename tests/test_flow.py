@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from grpo_core.config import deep_merge
+from grpo_core.pipeline_config import deep_merge
 from tests.conftest import S3_ENV
 from tests.helpers import GSM8K_DIR, REPO, same_weights
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_core.registry import aliases_by_version, decide_promotion, load_model, main, register_model
+from grpo_core.registry import aliases_by_version, decide_promotion, main, register_model
+from grpo_core.served_model import load_model
 from grpo_core.tracking import start_parent_run
 
 pytestmark = pytest.mark.usefixtures("no_cwd_writes")  # MLflow must never fall back to the cwd

@@ -24,7 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grpo_core import checkpoint, storage
-from grpo_core.config import ConfigError, PipelineConfig
+from grpo_core.config import ConfigError
+from grpo_core.pipeline_config import PipelineConfig
 from grpo_core.train import main
 from grpo_core.trainer import NonFiniteError
 from tests import faulty_rewards

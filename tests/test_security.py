@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from grpo_core import checkpoint
-from grpo_core.config import GRPOConfig, PipelineConfig
+from grpo_core.config import GRPOConfig
+from grpo_core.pipeline_config import PipelineConfig
 from grpo_core.models import load_policy
 from tests.helpers import GSM8K_DIR, tiny_model_dir
 

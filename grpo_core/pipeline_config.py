@@ -1,0 +1,182 @@
+"""The pipeline config: the GRPO stage tables (validated as ``config.GRPOConfig``) plus the
+bootstrap SFT, evaluation, registry and compute tables, and the parser of the flow's config file.
+Validation follows ``config.py``: unknown fields and wrong types fail naming the field and the fix."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from grpo_core.config import GRPOConfig, check_choice, from_dict, require
+
+
+@dataclass
+class SFTConfig:
+    """The bootstrap SFT (local default) or the SFT checkpoint to start from."""
+
+    source: str = "bootstrap"
+    """'bootstrap' (build + SFT the tiny model here) or a hub id / local dir / s3:// URI."""
+    arch: str = "llama"
+    """Tiny model architecture for bootstrap: llama or qwen2."""
+    hidden: int = 64
+    """Tiny model hidden size."""
+    layers: int = 2
+    """Tiny model layers."""
+    heads: int = 4
+    """Tiny model attention heads."""
+    steps: int = 1200
+    """SFT optimizer steps."""
+    batch_size: int = 64
+    """SFT examples per step."""
+    lr: float = 3e-3
+    """SFT peak learning rate (cosine decay to 10%)."""
+    arith_ops: str = "+-*"
+    """Operators of the synthetic SFT arithmetic."""
+    arith_min: int = 0
+    """Smallest SFT operand."""
+    arith_max: int = 20
+    """Largest SFT operand."""
+    gsm8k_examples: int = 0
+    """GSM8K train rows mixed into SFT (their reasoning + answer in the tag format)."""
+    seed: int = 0
+    """SFT seed."""
+
+    def __post_init__(self):
+        require(self.steps >= 0 and self.batch_size >= 1, "sft", "steps >= 0 and batch_size >= 1")
+        require(self.lr > 0, "sft.lr", "must be > 0")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation of every stage's checkpoint."""
+
+    gsm8k_size: int = 100
+    """GSM8K test items (the first N; 0 for all 1,319; -1 skips GSM8K)."""
+    arith_size: int = 200
+    """Held-out arithmetic items (seeded apart from training)."""
+    max_new_tokens: int = 64
+    """Greedy generation cap."""
+    batch_size: int = 64
+    """Prompts per generate call."""
+
+
+@dataclass
+class RegisterConfig:
+    """Model Registry: name, promotion rule."""
+
+    model_name: str = "grpo-gsm8k"
+    """Registered model name."""
+    rule: str = "significant"
+    """Promotion rule: significant (paired McNemar p < alpha and better) | better | always."""
+    alpha: float = 0.05
+    """Significance level for the 'significant' rule."""
+    primary: str = "gsm8k_test"
+    """Evaluation set the champion comparison uses."""
+
+    def __post_init__(self):
+        check_choice(self.rule, ("significant", "better", "always"), "register.rule")
+        check_choice(self.primary, ("gsm8k_test", "arith_holdout"), "register.primary")
+
+
+@dataclass
+class ComputeConfig:
+    """Where training steps run."""
+
+    backend: str = "local"
+    """'local' (this machine) or 'kubernetes' (training steps get @kubernetes)."""
+    nproc_per_node: int = 2
+    """torchrun processes per training step (GPUs on a cluster)."""
+    gpu: int = 0
+    """GPUs per training pod (kubernetes)."""
+    cpu: int = 2
+    """CPUs per training pod."""
+    memory: int = 8192
+    """Memory per training pod, MB."""
+    image: str | None = None
+    """Container image for training pods."""
+    threads_per_proc: int = 1
+    """OMP/torch threads per torchrun process."""
+    service_account: str | None = None
+    """Kubernetes service account of training pods (S3 access via IRSA/workload identity)."""
+    secrets: list = field(default_factory=list)
+    """Kubernetes secrets exposed to training pods as env vars (referenced, never inlined)."""
+    node_selector: dict = field(default_factory=dict)
+    """Node labels training pods must land on (e.g. a GPU node pool)."""
+    tolerations: list = field(default_factory=list)
+    """Tolerations for tainted GPU nodes, as Kubernetes toleration objects."""
+    shared_memory: int | None = None
+    """/dev/shm size in MiB for training pods (NCCL needs more than the 64 MiB default)."""
+    disk: int | None = None
+    """Ephemeral disk in MiB for training pods (checkpoints + model cache)."""
+
+    def __post_init__(self):
+        check_choice(self.backend, ("local", "kubernetes"), "compute.backend")
+        require(self.nproc_per_node >= 1, "compute.nproc_per_node", "must be >= 1")
+        require(self.backend != "kubernetes" or self.gpu == 0 or self.nproc_per_node == self.gpu,
+                 "compute.nproc_per_node", "must equal compute.gpu on kubernetes (one process per GPU)")
+
+
+@dataclass
+class PipelineConfig:
+    """Everything the flow needs: one table per stage plus compute/storage/tracking."""
+
+    name: str = "local"
+    """Config name (recorded in MLflow and the registry)."""
+    storage_root: str = ".grpo/artifacts"
+    """Checkpoints/models: a local dir (relative to the project) or s3://bucket/prefix."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; None: MLFLOW_TRACKING_URI, else a project-local sqlite db."""
+    experiment: str = "grpo"
+    """MLflow experiment name."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    curriculum: dict = field(default_factory=dict)
+    """GRPOConfig fields for the arithmetic curriculum stage."""
+    gsm8k: dict = field(default_factory=dict)
+    """GRPOConfig fields for the GSM8K stage."""
+    evaluate: EvalConfig = field(default_factory=EvalConfig)
+    register: RegisterConfig = field(default_factory=RegisterConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+
+    def __post_init__(self):
+        # Validate the stage tables now (fail fast in `start`), keep them as dicts for overrides.
+        for stage, task in (("curriculum", "arithmetic"), ("gsm8k", "gsm8k")):
+            table = {"stage": stage, "task": task, **getattr(self, stage)}
+            cfg = from_dict(GRPOConfig, {**table, "model": table.get("model", "validated-later")}, stage)
+            world = self.compute.nproc_per_node
+            require(cfg.prompts_per_iter % world == 0, f"{stage}.prompts_per_iter",
+                     f"{cfg.prompts_per_iter} prompts cannot be split across {world} ranks "
+                     f"(compute.nproc_per_node); use a multiple of {world}")
+            setattr(self, stage, table)
+        evaluated = {"gsm8k_test": self.evaluate.gsm8k_size >= 0, "arith_holdout": self.evaluate.arith_size > 0}
+        require(evaluated[self.register.primary], "register.primary",
+                 f"{self.register.primary!r} is not evaluated (evaluate.gsm8k_size = {self.evaluate.gsm8k_size}, "
+                 f"evaluate.arith_size = {self.evaluate.arith_size}); compare on a set that is, or evaluate it")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PipelineConfig":
+        return from_dict(cls, json.loads(json.dumps(data)), "config")
+
+    def stage(self, name: str, **runtime) -> GRPOConfig:
+        """The validated GRPOConfig of one stage, with runtime fields (model, dirs, run ids)."""
+        return from_dict(GRPOConfig, {**getattr(self, name), **runtime}, name)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parse_config_text(text: str) -> dict:
+    """The flow's Config parser: TOML files, or JSON (``--config-value cfg '{...}'``)."""
+    import tomllib
+
+    stripped = text.lstrip()
+    if stripped.startswith("{"):
+        return json.loads(text)
+    return tomllib.loads(text)
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """``override`` on top of ``base``, table by table (for partial configs in tests and CLIs)."""
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = deep_merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
