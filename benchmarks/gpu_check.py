@@ -37,7 +37,7 @@ from grpo_core import dist  # noqa: E402
 from grpo_core.algorithm import group_advantages, grpo_loss, token_logprobs  # noqa: E402
 from grpo_core.decode import sample_inverse_cdf, sample_shared_prefix  # noqa: E402
 from grpo_core.rollout import _generate, completion_mask  # noqa: E402
-from grpo_core.scoring import completion_logprobs, groups_share_prompts  # noqa: E402
+from grpo_core.scoring import completion_logprobs, groups_share_prompts, length_chunks  # noqa: E402
 from grpo_core.types import RolloutBatch  # noqa: E402
 from grpo_core.update_parts import wrap_ddp  # noqa: E402
 
@@ -89,15 +89,17 @@ def tiny_dir(tmp: str) -> str:
     return str(save_policy(model, tok, Path(tmp) / "tiny"))
 
 
-def fixed_batch(n_groups: int, G: int, P: int = 6, T: int = 7, vocab: int = 60) -> RolloutBatch:
-    """A batch with group-shared prompts, uneven completion lengths and informative rewards."""
+def fixed_batch(n_groups: int, G: int, P: int = 6, T: int = 7, vocab: int = 60,
+                lengths: torch.Tensor | None = None) -> RolloutBatch:
+    """A batch with group-shared prompts, uneven completion lengths (random, or ``lengths``) and
+    informative rewards."""
     g = torch.Generator().manual_seed(0)
     B = n_groups * G
     prompts = torch.randint(10, vocab, (n_groups, P), generator=g).repeat_interleave(G, 0)
     pmask = torch.ones(B, P, dtype=torch.long)
     pmask[::G, :2] = 0  # left padding in every group's prompt
     pmask = pmask[::G].repeat_interleave(G, 0)
-    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths = torch.randint(1, T + 1, (B,), generator=g) if lengths is None else lengths
     cmask = torch.arange(T)[None] < lengths[:, None]
     batch = RolloutBatch(prompts, pmask, torch.randint(10, vocab, (B, T), generator=g), cmask,
                          lengths == T, G, [""] * B, [""] * B)
@@ -166,13 +168,14 @@ def correctness(dev, tmp: str, vocab: int) -> dict:
     check("inverse-CDF sampler frequencies on the device", bool((dev_sd <= 4.5).all()) and freq[1] == freq[4] == 0,
           f"(worst {dev_sd.max().item():.1f} standard errors)")
     res["sampler_worst_standard_errors"] = dev_sd.max().item()
-    # one Trainer.update on the device vs on CPU (same batch, fp32, shared-prefix scoring)
+    # one Trainer.update on the device vs on CPU (same batch, fp32, shared-prefix scoring); half the
+    # rows short, so scoring runs in two length chunks (rows picked by device indices)
     model_dir = tiny_dir(tmp)
-    batch = fixed_batch(2, 4)
-    assert groups_share_prompts(batch)
+    batch = fixed_batch(2, 8, T=40, lengths=torch.tensor([40, 2] * 8))
+    assert groups_share_prompts(batch) and len(length_chunks(batch.completion_mask.sum(-1).tolist())) > 1
     got = {}
     for d in (dev, torch.device("cpu")):
-        tr = trainer_for(model_dir, f"{tmp}/upd_{d.type}", dist.DistInfo(0, 1, 0, d))
+        tr = trainer_for(model_dir, f"{tmp}/upd_{d.type}", dist.DistInfo(0, 1, 0, d), group_size=8)
         tr.update(copy.deepcopy(batch))
         got[d.type] = grads(tr.model)
     ok, worst = close_grads(got[dev.type], got["cpu"])

@@ -88,6 +88,7 @@ def _shared_prefix_logits(model, batch: RolloutBatch, device):
     prefix.batch_repeat_interleave(G)
     first = out.logits[:, -1:].repeat_interleave(G, 0)                                 # [B, 1, V]
     _, attn, pos = forward_inputs(batch, device)
+    ids = batch.completion_ids.to(device)  # picked by device indices below: CUDA refuses a CPU tensor
     lengths = batch.completion_mask.sum(-1).clamp(min=1).tolist()
     chunks, pieces = length_chunks(lengths), []
     for chunk in chunks:
@@ -101,7 +102,7 @@ def _shared_prefix_logits(model, batch: RolloutBatch, device):
                 cache.update(layer.keys[pick], layer.values[pick], i)
         logits = first[pick]                                                           # [b, 1, V]
         if L > 1:
-            inputs = dict(input_ids=batch.completion_ids[pick, :L - 1], attention_mask=attn[pick, :P + L - 1],
+            inputs = dict(input_ids=ids[pick, :L - 1], attention_mask=attn[pick, :P + L - 1],
                           position_ids=pos[pick, P:P + L - 1])  # contiguous: a compiled scorer guards on strides
             rest = model(**{k: v.to(device).contiguous() for k, v in inputs.items()}, use_cache=True,
                          **{cache_kwarg(model): cache}).logits

@@ -152,9 +152,12 @@ class Trainer:
                                   max_prompt_tokens=c.max_prompt_tokens, sampler=c.sampler)
         t0 = time.perf_counter()
         cols = {k: v for k, v in batch.columns.items() if k not in ("id", "think")}
-        total, self.last_breakdown = combine_rewards(self.rewards, batch.prompts, batch.completions, cols,
-                                                    timeout_s=c.reward_timeout_s)
+        total, parts = combine_rewards(self.rewards, batch.prompts, batch.completions, cols,
+                                       timeout_s=c.reward_timeout_s)
         batch.rewards = torch.tensor(total, dtype=torch.float32)
+        self.reward_names = list(parts)  # the same functions, in the same order, every call
+        batch.reward_parts = torch.tensor([parts[k] for k in self.reward_names],
+                                          dtype=torch.float64).reshape(len(parts), len(batch)).T
         self.timings["time_reward"] += time.perf_counter() - t0
         return batch
 
@@ -172,10 +175,9 @@ class Trainer:
                 extra = self._sample(c.prompts_per_iter)
                 kept.append(extra.select_groups(informative_mask(extra.rewards, G)))
                 rounds += 1
-            pool = RolloutBatch.concat([b for b in kept if len(b)], self.tok.pad_token_id) \
-                if any(len(b) for b in kept) else batch
-            n_groups = min(pool.num_groups, drawn)
+            n_groups = min(sum(b.num_groups for b in kept), drawn)
             if n_groups:
+                pool = RolloutBatch.concat([b for b in kept if len(b)], self.tok.pad_token_id)
                 batch = pool.select_groups(torch.arange(pool.num_groups) < n_groups)
             else:  # nothing informative on this rank: it still runs the update (DDP) but adds nothing
                 batch.loss_rows = torch.zeros(len(batch), dtype=torch.bool)
@@ -289,16 +291,23 @@ class Trainer:
                      dynamic_drawn=roll["dynamic_drawn"])
         # token means over all ranks' tokens (ranks may hold different numbers of them); the loss
         # as DDP averages it
-        means, n = ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy"), upd["num_tokens"]
-        *sums, tokens, loss = dist.all_reduce_sum([upd[k] * n for k in means] + [n, upd["loss"]], self.info.device)
-        m.update({k: v / max(tokens, 1.0) for k, v in zip(means, sums)}, loss=loss / self.info.world_size)
+        means, tokens = ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy"), \
+            upd["num_tokens"]
+        # and each reward function's mean over the rows it applies to (None from it: not counted);
+        # one collective for all of it
+        parts = batch.reward_parts
+        applies = ~parts.isnan()
+        K = parts.shape[1]
+        *sums, all_tokens, loss = dist.all_reduce_sum(
+            [upd[k] * tokens for k in means] + parts.nan_to_num(0.0).sum(0).tolist() + applies.sum(0).tolist()
+            + [tokens, upd["loss"]], self.info.device)
+        m.update({k: v / max(all_tokens, 1.0) for k, v in zip(means, sums)}, loss=loss / self.info.world_size)
         m["grad_norm"] = upd["grad_norm"]
         m.update({k: round(v, 4) for k, v in self.timings.items()})
-        names = list(self.last_breakdown)  # one collective for every reward function's sum
-        sums = dist.all_reduce_sum([sum(v for v in self.last_breakdown[k] if v == v) for k in names],
-                                   self.info.device)
-        for name, total in zip(names, sums):
-            m[f"reward/{name.split(':')[-1]}"] = total / n
+        part_sums, part_rows = sums[len(means):len(means) + K], sums[len(means) + K:]
+        for name, total, rows in zip(self.reward_names, part_sums, part_rows):
+            if rows:  # a function that applied to no row this iteration has no mean
+                m[f"reward/{name.split(':')[-1]}"] = total / rows
         return m
 
     def evaluate(self) -> float:

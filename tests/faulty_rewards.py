@@ -44,3 +44,13 @@ def hangs_on_rank_1(prompts, completions, **_):
     if os.environ.get("RANK") == "1":
         time.sleep(3600)
     return [0.0] * len(completions)
+
+
+def always_zero(prompts, completions, **_):
+    """A verifier nothing satisfies: every group is uninformative."""
+    return [0.0] * len(completions)
+
+
+def sevens_on_even_rows(prompts, completions, **_):
+    """target_char_fraction('7') on even rows, None (not applicable) on odd ones."""
+    return [(c.count("7") / len(c) if c else 0.0) if i % 2 == 0 else None for i, c in enumerate(completions)]

@@ -349,6 +349,37 @@ def test_resume_takes_the_warmup_position_from_the_iteration_not_the_saved_count
     assert resumed.opt.param_groups[0]["lr"] == pytest.approx(7.5e-4)
 
 
+def test_dynamic_sampling_with_nothing_informative_leaves_every_row_out_of_the_loss(tiny, tmp_path):
+    """No informative group in any round: the drawn batch goes to the update (DDP needs every rank)
+    with every row out of the loss, so it takes no step, and its metrics still compute."""
+    trainer = _in_process_trainer(tiny, tmp_path, rewards=[{"fn": "tests.faulty_rewards:always_zero"}],
+                                  dynamic_sampling=True, max_resample_rounds=1)
+    batch, roll = trainer.rollout()
+    assert roll["informative_groups"] == 0 and roll["dynamic_rounds"] == 1
+    assert batch.loss_rows is not None and not batch.loss_rows.any()
+    upd = trainer.update(batch)
+    assert upd["num_tokens"] == 0.0 and not trainer.opt.state
+    m = trainer._metrics(1, batch, roll, upd, 1.0)
+    assert m["reward/always_zero"] == 0.0 and m["kl"] == 0.0
+
+
+def test_reward_function_metrics_are_means_over_the_rows_they_apply_to(tiny, tmp_path):
+    """reward/<fn> is each function's mean over the rows it returned a number for (it was the
+    sum over rows divided by the update's token count)."""
+    from grpo_core.rewards import target_char_fraction
+
+    trainer = _in_process_trainer(tiny, tmp_path, rewards=SEVENS + [
+        {"fn": "tests.faulty_rewards:sevens_on_even_rows", "weight": 0.5}], max_new_tokens=12)
+    batch, roll = trainer.rollout()
+    m = trainer._metrics(1, batch, roll, trainer.update(batch), 1.0)
+    sevens = target_char_fraction(batch.prompts, batch.completions)
+    assert max(sevens) > 0  # the check can tell a mean from a sum or a wrong divisor
+    assert m["reward/target_char_fraction"] == pytest.approx(sum(sevens) / len(sevens))
+    assert m["reward/sevens_on_even_rows"] == pytest.approx(sum(sevens[::2]) / len(sevens[::2]))
+    assert m["reward"] == pytest.approx(sum(s + 0.5 * s * (i % 2 == 0) for i, s in enumerate(sevens)) / len(sevens),
+                                        rel=1e-6)
+
+
 def test_torchrun_batch_scale_uses_the_std_over_all_ranks(tiny, tmp_path):
     """The two halves' reward stds (0.577, 0.479) differ from the whole batch's (0.496): a per-rank
     std would change the update, the all-reduced one leaves it equal to one process's."""
