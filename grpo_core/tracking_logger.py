@@ -26,8 +26,8 @@ class Tracker:
 
     delayed_points = 0
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None: ...
-    def log_params(self, params: Mapping) -> None: ...
+    def log(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None: ...
+    def log_params(self, params: Mapping, if_absent: bool = False) -> None: ...
     def set_tags(self, tags: Mapping) -> None: ...
     def log_artifact(self, local_path: str, artifact_path: str | None = None) -> None: ...
     def log_dict(self, obj, artifact_file: str) -> None: ...
@@ -62,6 +62,7 @@ class MlflowTracker(Tracker):
         self._client, self._Metric = mlflow_client(uri), Metric
         self._metrics: list = []  # pending Metric entities, oldest first
         self._params: dict[str, str] = {}
+        self._params_if_absent: dict[str, str] = {}  # sent after a look at what the run holds
         self._tags: dict[str, str] = {}
         self._artifacts: list[tuple[str, Callable[[], None]]] = []
         self._down = False  # last attempt exhausted its retries
@@ -72,16 +73,20 @@ class MlflowTracker(Tracker):
         if spill_path and os.path.exists(spill_path):
             self._load_spill(spill_path)
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        ts = int(time.time() * 1000)
+    def log(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
+        """Buffer points; ``timestamp_ms`` (default now) given again on a resend makes it a no-op."""
+        ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
         for k, v in metrics.items():
             try:
                 self._metrics.append(self._Metric(k, float(v), ts, int(step)))
             except (TypeError, ValueError):
                 warn(f"skipped non-numeric metric {k}={v!r} at step {step}")
 
-    def log_params(self, params: Mapping) -> None:
-        self._params.update(flatten_params(params))
+    def log_params(self, params: Mapping, if_absent: bool = False) -> None:
+        """Send params. ``if_absent``: only those the run does not hold yet (a resumed stage: its
+        first attempt may have logged them, with runtime fields such as output_dir that differ
+        now, which MLflow refuses to change; or never reached the server)."""
+        (self._params_if_absent if if_absent else self._params).update(flatten_params(params))
         if not self._down:
             self._send_params_tags()
 
@@ -154,6 +159,13 @@ class MlflowTracker(Tracker):
     def _send_params_tags(self) -> bool:
         from mlflow.entities import Param, RunTag
 
+        if self._params_if_absent:
+            held: dict = {}
+            status = self._call("params lookup", lambda: held.update(self._client.get_run(self.run_id).data.params))
+            if status == "down":
+                return False
+            self._params.update({k: v for k, v in self._params_if_absent.items() if k not in held})
+            self._params_if_absent.clear()
         for pending, make, field in ((self._params, Param, "params"), (self._tags, RunTag, "tags")):
             while pending:
                 keys = list(pending)[:PARAMS_PER_BATCH]
@@ -193,6 +205,7 @@ class MlflowTracker(Tracker):
         rows = [{"kind": "metric", "key": m.key, "value": m.value, "timestamp": m.timestamp,
                  "step": m.step} for m in self._metrics]
         rows += [{"kind": "param", "key": k, "value": v} for k, v in self._params.items()]
+        rows += [{"kind": "param_if_absent", "key": k, "value": v} for k, v in self._params_if_absent.items()]
         rows += [{"kind": "tag", "key": k, "value": v} for k, v in self._tags.items()]
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
@@ -202,7 +215,8 @@ class MlflowTracker(Tracker):
             if r["kind"] == "metric":
                 self._metrics.append(self._Metric(r["key"], r["value"], r["timestamp"], r["step"]))
             else:
-                (self._params if r["kind"] == "param" else self._tags)[r["key"]] = r["value"]
+                pending = {"param": self._params, "param_if_absent": self._params_if_absent}.get(r["kind"], self._tags)
+                pending[r["key"]] = r["value"]
         self._late = self.delayed_points = len(self._metrics)
         print(f"[tracking] reloaded {len(rows)} spilled points from {path}", file=sys.stderr)
 

@@ -36,6 +36,7 @@ from grpo_core.tracking_logger import open_tracker
 from grpo_core.types import RolloutBatch
 from grpo_core.update_parts import MergedStats, compile_for_scoring, fused_adamw_ok, scored_without_grad, wrap_ddp
 
+LOGGED_AT = "logged_at_ms"  # metrics.jsonl: when the row's points were logged (their MLflow timestamp)
 MAX_NONFINITE_IN_A_ROW = 3  # consecutive skipped updates before the stage stops with an error
 
 
@@ -93,6 +94,7 @@ class Trainer:
         self.state = checkpoint.load(path_str[0], self.model, self.opt, self.sched)
         self.sched = self._schedule(done_iterations=self.state["iteration"])
         self._restore_metrics(Path(path_str[0]), self.state["iteration"])
+        self._resend_metrics()
         self._republish(Path(path_str[0]), self.state["iteration"])
         dist.print0(f"[{self.cfg.stage}] resumed from {path_str[0]} at iteration {self.state['iteration']}")
         return self.state["iteration"]
@@ -127,6 +129,17 @@ class Trainer:
         lines = (saved if saved.exists() else f).read_text().splitlines()
         keep = [ln for ln in lines if json.loads(ln)["iteration"] <= iteration]
         storage.atomic_write_text(f, "".join(ln + "\n" for ln in keep))
+
+    def _resend_metrics(self) -> None:
+        """Queue the restored history for MLflow again, each point with its first timestamp: the
+        store keeps identical points once, and points an outage held back when the first attempt
+        crashed (they lived only in its memory) arrive after all. Sent at the next commit."""
+        if not (self.info.is_main and self.metrics_path.exists()):
+            return
+        for row in read_jsonl(str(self.metrics_path)):
+            if LOGGED_AT in row:  # rows written before the timestamp was kept cannot be sent idempotently
+                self.tracker.log({k: v for k, v in row.items() if k not in ("iteration", LOGGED_AT)},
+                                 step=row["iteration"], timestamp_ms=row[LOGGED_AT])
 
     def save_checkpoint(self, iteration: int) -> None:
         if self.info.is_main:
@@ -330,9 +343,10 @@ class Trainer:
         self.state["history"] = (self.state["history"] + [point])[-200:]
         if not self.info.is_main:
             return
+        logged_at = int(time.time() * 1000)  # kept, so a resumed stage can resend the point as it was
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(m) + "\n")
-        self.tracker.log({k: v for k, v in m.items() if k != "iteration"}, step=m["iteration"])
+            f.write(json.dumps({**m, LOGGED_AT: logged_at}) + "\n")
+        self.tracker.log({k: v for k, v in m.items() if k != "iteration"}, step=m["iteration"], timestamp_ms=logged_at)
         # the alarm reads evaluation points only, so it can change (and is reported) only at one
         alarm = divergence_alarm(self.state["history"]) if "eval_accuracy" in m else None
         if alarm:
@@ -356,8 +370,8 @@ class Trainer:
         if self.info.is_main:
             card = objective_card(c, self.info.world_size)
             storage.atomic_write_text(self.out / "objective.json", json.dumps(card, indent=1))
-            if start == 0:
-                self.tracker.log_params({**c.to_dict(), **{f"objective.{k}": v for k, v in card.items()}})
+            self.tracker.log_params({**c.to_dict(), **{f"objective.{k}": v for k, v in card.items()}},
+                                    if_absent=start > 0)
             self.tracker.log_artifact(str(self.out / "objective.json"))
         # a checkpoint written when the gate fired ends the stage: resuming from it (a crash while
         # saving the final model) must not train on past the gate

@@ -369,6 +369,34 @@ def test_training_completes_while_the_mlflow_server_is_down(tiny, tmp_path, monk
     assert any(r["kind"] == "param" and r["key"] == "lr" for r in spill)  # params wait for the server too
 
 
+def test_an_outage_then_a_crash_loses_no_point_and_no_param(tiny, tmp_path, monkeypatch):
+    """MLflow down for the first attempt, which crashes after its checkpoint at iteration 2: the
+    points it held back lived only in its memory. The resumed attempt, with the store back and a
+    fresh output dir (a flow ``resume``), resends the restored history with its first timestamps
+    and logs the params the run does not hold, so every iteration and every param arrives, each
+    point once, also when the history is resent a second time."""
+    from mlflow import MlflowClient
+
+    from grpo_core.tracking_logger import MlflowTracker
+
+    monkeypatch.setattr(MlflowTracker.__init__, "__kwdefaults__",
+                        {**MlflowTracker.__init__.__kwdefaults__, "max_retries": 1, "backoff_s": 0.05})
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(store)
+    run_id = client.create_run(client.create_experiment("outage-crash")).info.run_id
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RuntimeError, match="injected failure at iteration 3"):
+        main(_stage(tiny, tmp_path / "a", tracking_uri=dead, tracking_run_id=run_id, fail_at_iteration=3,
+                    sync_uri=str(tmp_path / "store")))
+    client.log_param(run_id, "output_dir", "first attempt's")  # as if it had reached the store
+    for attempt, origin in (("b", "store"), ("c", "b/store")):  # c resumes b's finished stage: a resend only
+        main(_stage(tiny, tmp_path / attempt, tracking_uri=store, tracking_run_id=run_id,
+                    resume_from=[str(tmp_path / origin)], sync_uri=str(tmp_path / attempt / "store")))
+    assert sorted(m.step for m in client.get_metric_history(run_id, "reward")) == [1, 2, 3, 4]
+    params = client.get_run(run_id).data.params
+    assert params["lr"] == "0.003" and params["output_dir"] == "first attempt's" and "objective.normaliser" in params
+
+
 def test_points_kept_during_an_outage_are_replayed_by_a_later_step(tiny, tmp_path, monkeypatch):
     """MLflow unreachable for a whole stage (a dead address), the stage's run in a real store: the
     stage keeps its unsent points beside its checkpoints (a training pod's scratch would die with
