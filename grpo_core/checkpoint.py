@@ -199,3 +199,29 @@ def prune(ckpt_root: str | Path, keep: int) -> None:
             shutil.rmtree(root / name, ignore_errors=True)
     for tmp in root.glob(f".{PREFIX}*"):
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def stored_complete(uri: str) -> bool:
+    """``complete`` for a checkpoint in storage: on S3, its manifest (uploaded last) is there."""
+    if not storage.is_s3(uri):
+        return complete(uri)
+    return storage.read_text(storage.join(uri, MANIFEST)) is not None
+
+
+def prune_stored(root_uri: str, keep: int) -> None:
+    """``prune`` for the copies in storage (a local dir or an S3 prefix): all but the newest
+    ``keep`` complete checkpoints go, and so do incomplete ones older than the newest complete
+    one (an upload cut short). keep=0 keeps everything."""
+    if not storage.is_s3(root_uri):
+        prune(root_uri, keep)
+        return
+    if not keep:
+        return
+    kept = 0
+    for name in sorted((n for n in storage.list_dirs(root_uri) if n.startswith(PREFIX)), reverse=True):
+        uri = storage.join(root_uri, name)
+        if kept < keep and stored_complete(uri):
+            kept += 1
+        elif kept:  # never delete anything newer than the newest complete checkpoint
+            storage.delete_dir(uri)
+

@@ -23,6 +23,7 @@ from grpo_core.tracking import read_jsonl
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 CODE_DIR = Path(__file__).resolve().parent.parent  # the directory that holds grpo_core/
+RESUME_CHAIN = "resume_chain.json"  # in a training step's storage: the earlier attempts it resumes from
 
 
 @dataclass(frozen=True)
@@ -156,13 +157,23 @@ def stage_config(cfg: PipelineConfig, stage: str, step: str, model_uri: str, ctx
     task = "arith" if stage == "curriculum" else "gsm8k"
     table = getattr(cfg, stage)  # periodic evaluation and the gate read the validation split
     names = (f"{task}_train",) + ((f"{task}_validation",) if table.get("eval_every") or table.get("gate_metric") else ())
-    resume = [ctx.step_uri(step)] + ([ctx.step_uri(step, ctx.origin_run_id)] if ctx.origin_run_id else [])
+    resume = [ctx.step_uri(step)] + (resume_chain(ctx.step_uri(step, ctx.origin_run_id)) if ctx.origin_run_id else [])
+    storage.write_text(storage.join(ctx.step_uri(step), RESUME_CHAIN), json.dumps(resume[1:]))
     sc = cfg.stage(stage, model=model_uri, output_dir=str(ctx.scratch(step)), sync_uri=ctx.step_uri(step),
                    resume_from=resume, tracking_uri=ctx.tracking_uri,
                    tracking_run_id=child_run(ctx, stage, datasets, names))
     if stage == "gsm8k":
         sc.gsm8k_source = gsm8k_source(sc.gsm8k_source)
     return sc.to_dict()
+
+
+def resume_chain(origin_uri: str) -> list[str]:
+    """The origin run's step storage, then the ones it resumed from in turn: a stage searches them
+    all for its newest checkpoint. Each attempt records its chain, so a resume of a resume whose
+    middle attempt failed before holding a complete checkpoint (killed while copying one over)
+    still finds the first attempt's."""
+    recorded = storage.read_text(storage.join(origin_uri, RESUME_CHAIN))
+    return [origin_uri] + (json.loads(recorded) if recorded else [])
 
 
 def torchrun_command(stage_json: str, nproc: int) -> list[str]:

@@ -158,18 +158,33 @@ def put_dir(local_dir: str | Path, uri: str) -> str:
             raise RuntimeError(f"upload of s3://{bucket}/{key} is incomplete: {size} of "
                                f"{path.stat().st_size} bytes; the checkpoint does not count")
     kept = set(keys.values())
-    stale = [k for k in _list_keys(client, bucket, prefix + "/") if k not in kept]
-    for i in range(0, len(stale), 1000):  # delete_objects takes at most 1000 keys
+    _delete_keys(client, bucket, [k for k in _list_keys(client, bucket, prefix + "/") if k not in kept])
+    return uri
+
+
+def _delete_keys(client, bucket: str, keys: list[str]) -> None:
+    for i in range(0, len(keys), 1000):  # delete_objects takes at most 1000 keys
         try:
             errors = client.delete_objects(Bucket=bucket, Delete={
-                "Objects": [{"Key": k} for k in stale[i:i + 1000]]}).get("Errors", [])
+                "Objects": [{"Key": k} for k in keys[i:i + 1000]]}).get("Errors", [])
         except Exception as exc:
-            raise _s3_error(exc, bucket, stale[i]) from exc
+            raise _s3_error(exc, bucket, keys[i]) from exc
         if errors:  # per-key failures come back in a 200 response, not as an exception
             e = errors[0]
             raise _s3_error(RuntimeError(f"{e.get('Code')}: {e.get('Message')} ({len(errors)} objects)"),
-                            bucket, e.get("Key", stale[i]))
-    return uri
+                            bucket, e.get("Key", keys[i]))
+
+
+def delete_dir(uri: str) -> None:
+    """Delete a local directory tree or everything under an S3 prefix (never a whole bucket)."""
+    if not is_s3(uri):
+        shutil.rmtree(uri, ignore_errors=True)
+        return
+    bucket, prefix = split_s3(uri)
+    if not prefix:
+        raise ValueError(f"delete_dir of {uri!r} would empty the whole bucket; use s3://BUCKET/PREFIX")
+    client = s3_client()
+    _delete_keys(client, bucket, list(_list_keys(client, bucket, prefix + "/")))
 
 
 def get_dir(uri: str, local_dir: str | Path) -> Path:
@@ -183,6 +198,8 @@ def get_dir(uri: str, local_dir: str | Path) -> Path:
     local_dir = Path(local_dir)
     found = False
     for key in _list_keys(client, bucket, prefix + "/"):
+        if key.endswith("/"):  # a folder marker (consoles and some tools create them): no file
+            continue
         found = True
         dest = local_dir / key[len(prefix) + 1:]
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -114,9 +114,9 @@ class Trainer:
         run failed before writing a checkpoint of its own, the work would otherwise restart at 0."""
         if not (self.info.is_main and self.cfg.sync_uri):
             return
-        own, name = storage.join(self.cfg.sync_uri, "checkpoints"), checkpoint.name_for(iteration)
-        if name not in storage.list_dirs(own):
-            storage.put_dir(ckpt, storage.join(own, name))
+        copy = storage.join(self.cfg.sync_uri, "checkpoints", checkpoint.name_for(iteration))
+        if not checkpoint.stored_complete(copy):  # absent, or an earlier republish cut short
+            storage.put_dir(ckpt, copy)
 
     def _restore_metrics(self, ckpt: Path, iteration: int) -> None:
         """metrics.jsonl as it was at the checkpoint: its copy in the checkpoint (a flow ``resume``
@@ -146,7 +146,9 @@ class Trainer:
             extra = {METRICS_FILE: self.metrics_path} if self.metrics_path.exists() else {}
             path = checkpoint.save(self.ckpt_dir, iteration, self.model, self.opt, self.sched, self.state, extra)
             if self.cfg.sync_uri:
-                storage.put_dir(path, storage.join(self.cfg.sync_uri, "checkpoints", path.name))
+                remote = storage.join(self.cfg.sync_uri, "checkpoints")
+                storage.put_dir(path, storage.join(remote, path.name))
+                checkpoint.prune_stored(remote, self.cfg.keep_checkpoints)
             checkpoint.prune(self.ckpt_dir, self.cfg.keep_checkpoints)
             self.tracker.flush()  # commit point: metrics up to here are now durable
         dist.barrier()

@@ -338,6 +338,29 @@ def test_s3_checkpoint_missing_an_object_is_skipped_with_a_warning(s3, tmp_path)
     assert [p.name for p in (tmp_path / "scratch").iterdir()] == [found.name]  # bad downloads removed
 
 
+def test_s3_folder_markers_are_not_files(s3, tmp_path):
+    """A console-made ``prefix/`` marker under a model: downloaded as nothing, not a failure."""
+    local = checkpoint.save(tmp_path, 1, *_small_state(), {})
+    storage.put_dir(local, "s3://ckpts/markers/models/sft")
+    s3.put_object(Bucket="ckpts", Key="markers/models/sft/", Body=b"")
+    got = storage.get_dir("s3://ckpts/markers/models/sft", tmp_path / "dl")
+    assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in local.iterdir())
+
+
+def test_s3_checkpoints_are_pruned_like_local_ones(s3, tmp_path):
+    """keep=2: the newest two complete copies stay, older ones and an older cut-short upload go;
+    an incomplete copy newer than the newest complete one (an upload in flight) is never touched."""
+    root = "s3://ckpts/prune/checkpoints"
+    for it in (2, 4, 6, 8, 10):
+        _put_checkpoint(tmp_path, root, it)
+    s3.delete_object(Bucket="ckpts", Key="prune/checkpoints/ckpt-000004/manifest.json")
+    s3.delete_object(Bucket="ckpts", Key="prune/checkpoints/ckpt-000010/manifest.json")
+    checkpoint.prune_stored(root, 2)
+    assert storage.list_dirs(root) == ["ckpt-000006", "ckpt-000008", "ckpt-000010"]
+    assert checkpoint.stored_complete(storage.join(root, "ckpt-000008"))
+    assert not checkpoint.stored_complete(storage.join(root, "ckpt-000010"))
+
+
 def test_s3_transient_connection_resets_are_retried(s3, moto, tmp_path, monkeypatch):
     proxy = DroppingProxy(moto.port, drop=2)
     monkeypatch.setenv("GRPO_S3_ENDPOINT_URL", proxy.url)

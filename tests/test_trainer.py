@@ -107,6 +107,30 @@ def test_a_resume_of_a_resume_that_failed_before_its_first_checkpoint_loses_noth
     assert straight["iterations_run"] == 6
 
 
+def test_a_copy_cut_short_is_republished_and_the_chain_reaches_the_first_attempt(tiny, tmp_path):
+    """B (a resume of A) was killed while copying A's checkpoint 4 into its own storage: a copy
+    without its manifest. C (a resume of B) searches C, B and, through B's recorded chain, A, so
+    it resumes at 4; and republishing replaces B's partial copy instead of skipping the name."""
+    import shutil
+
+    from grpo_core import checkpoint, storage
+    from grpo_core.pipeline import RESUME_CHAIN, resume_chain
+
+    sync = {r: str(tmp_path / "store" / r) for r in "ABC"}
+    with pytest.raises(RuntimeError, match="injected failure at iteration 5"):
+        main(_stage(tiny, tmp_path / "A", sync_uri=sync["A"], fail_at_iteration=5))
+    partial = Path(sync["B"]) / "checkpoints" / "ckpt-000004"
+    partial.mkdir(parents=True)
+    shutil.copyfile(Path(sync["A"]) / "checkpoints" / "ckpt-000004" / "model.safetensors", partial / "model.safetensors")
+    storage.write_text(storage.join(sync["B"], RESUME_CHAIN), json.dumps([sync["A"]]))
+    assert resume_chain(sync["B"]) == [sync["B"], sync["A"]]
+    resumed = main(_stage(tiny, tmp_path / "C", sync_uri=sync["C"], resume_from=[sync["C"], *resume_chain(sync["B"])],
+                          iterations=4))
+    assert resumed["resumed_from_iteration"] == 4
+    main(_stage(tiny, tmp_path / "B2", sync_uri=sync["B"], resume_from=[sync["B"], sync["A"]], iterations=4))
+    assert checkpoint.verify(partial)
+
+
 COMPILED_RUN = """import sys, torch
 from grpo_core.models import unwrap
 from grpo_core.train import main
