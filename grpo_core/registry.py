@@ -27,6 +27,7 @@ from grpo_core.stats import accuracy, mcnemar_exact, wilson_interval
 from grpo_core.tracking import clean_tags, env_defaults, mlflow_client
 
 RULES = ("significant", "better", "always")
+MAX_DECISIONS = 3  # decisions re-taken when concurrent registrations keep moving @champion
 
 
 # ---------------------------------------------------------------- pure decision logic
@@ -151,9 +152,14 @@ def register_model(uri: str, run_id: str, model_dir: str, name: str = "grpo-gsm8
                 and int(champ.version) not in (version, result.get("champion_version"))):
             superseded_by = int(champ.version)
     else:
-        result = _decide_against_champion(client, name, eval_items[primary], primary, rule, alpha)
-        result.update(version=version, model_name=name, rule=rule, eval_set=primary)
-        _tag_version(client, name, version, eval_items, result)
+        digest = (tags or {}).get(f"dataset.{primary}.digest")
+        for _ in range(MAX_DECISIONS):
+            result = _decide_against_champion(client, name, eval_items[primary], primary, rule, alpha, digest)
+            result.update(version=version, model_name=name, rule=rule, eval_set=primary)
+            _tag_version(client, name, version, eval_items, result)
+            champ = _champion(client, name)  # another registration may have moved it meanwhile:
+            if (None if champ is None else int(champ.version)) == result["champion_version"]:
+                break  # decide again, against the version this one would replace
     if superseded_by is None:
         _apply_aliases(client, name, version, result)
     else:  # re-applying the stored decision would take champion back without a comparison
@@ -165,14 +171,21 @@ def register_model(uri: str, run_id: str, model_dir: str, name: str = "grpo-gsm8
     return result
 
 
-def _decide_against_champion(client, name, new_items, primary, rule, alpha) -> dict:
-    """``decide_promotion`` against the champion's logged per-item results on ``primary``."""
+def _decide_against_champion(client, name, new_items, primary, rule, alpha, digest=None) -> dict:
+    """``decide_promotion`` against the champion's logged per-item results on ``primary``. Items
+    pair by id, and GSM8K ids are positions in the split: a champion evaluated on other data
+    (its ``dataset.<primary>.digest`` tag differs from ``digest``) shares no comparable item."""
     champ = _champion(client, name)
     if champ is None:
         return {**decide_promotion(new_items, None, rule, alpha), "champion_version": None}
-    old = load_eval_items(client, champ.run_id, primary)
+    theirs = champ.tags.get(f"dataset.{primary}.digest")
+    other_data = digest is not None and theirs is not None and theirs != digest
+    old = None if other_data else load_eval_items(client, champ.run_id, primary)
     result = decide_promotion(new_items, old or [], rule, alpha)
-    if old is None:
+    if other_data:
+        result["reason"] = (f"champion v{champ.version} was evaluated on other {primary} data (digest "
+                            f"{theirs[:12]}, this version {digest[:12]}): no comparable items")
+    elif old is None:
         result["reason"] = f"champion v{champ.version} has no eval/items_{primary}.json"
     return {**result, "champion_version": int(champ.version)}
 

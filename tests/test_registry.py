@@ -48,9 +48,10 @@ def model_dir(tmp_path_factory):
     return str(out)
 
 
-def _register(uri, model_dir, n_right, rule="significant", name="grpo-test", run_id=None, **kw):
+def _register(uri, model_dir, n_right, rule="significant", name="grpo-test", run_id=None, digest="gsm8k-test-v1",
+              **kw):
     run_id = run_id or start_parent_run(uri, "grpo-registry", {"metaflow.pathspec": f"GrpoFlow/{n_right}"})
-    tags = {"dataset.gsm8k_test.digest": f"digest{n_right}", "metaflow.pathspec": f"GrpoFlow/{n_right}",
+    tags = {"dataset.gsm8k_test.digest": digest, "metaflow.pathspec": f"GrpoFlow/{n_right}",
             "config": "local", "s3_uri": "s3://user:pw@bucket/x"}
     return register_model(uri, run_id, model_dir, name, eval_items=evals(n_right), tags=tags, rule=rule, **kw)
 
@@ -106,7 +107,7 @@ def test_registry_flow_sqlite(sqlite_uri, model_dir, capsys):
     assert float(mv.tags["eval.gsm8k_test.ci95_low"]) < 51 / 60 < float(mv.tags["eval.gsm8k_test.ci95_high"])
     assert mv.tags["decision"] == "promoted" and mv.tags["compared_items"] == "60"
     assert mv.tags["eval_set"] == "gsm8k_test" and v5["eval_set"] == "gsm8k_test"  # what the p-value is about
-    assert mv.tags["dataset.gsm8k_test.digest"] == "digest51" and "pw" not in mv.tags["s3_uri"]
+    assert mv.tags["dataset.gsm8k_test.digest"] == "gsm8k-test-v1" and "pw" not in mv.tags["s3_uri"]
     run = client.get_run(mv.run_id)
     assert run.data.tags["promotion.decision"] == "promoted" and run.data.tags["promotion.eval_set"] == "gsm8k_test"
     assert run.data.metrics["promotion.challenger_accuracy"] == pytest.approx(51 / 60)
@@ -128,13 +129,49 @@ def test_registry_flow_sqlite(sqlite_uri, model_dir, capsys):
     capsys.readouterr()
     assert main(["compare", name, "--tracking-uri", uri]) == 0
     table = capsys.readouterr().out
-    for text in ("champion", "previous-champion", "challenger", "0.850 [", "digest51", "GrpoFlow/51"):
+    for text in ("champion", "previous-champion", "challenger", "0.850 [", "gsm8k-test-v1"[:12], "GrpoFlow/51"):
         assert text in table
     assert len(table.strip().splitlines()) == 6  # header + 5 versions
     main(["compare", name, "--a", "3", "--b", "1", "--set", "gsm8k_test", "--tracking-uri", uri])
     pair = capsys.readouterr().out
     assert "a_only=30  b_only=0  both=20  neither=10" in pair and "McNemar exact p=1.863e-09" in pair
     assert pair.count("v3=right  v1=wrong") == 20 and "... 10 more differing items" in pair
+
+
+def test_a_champion_evaluated_on_other_data_is_not_compared(sqlite_uri, model_dir):
+    """Item ids are positions in the split: against a champion whose test data had another digest,
+    the same ids name other questions, so nothing is compared and nothing is promoted."""
+    name = "grpo-other-data"
+    assert _register(sqlite_uri, model_dir, 10, name=name, digest="old-revision")["decision"] == "first"
+    r = _register(sqlite_uri, model_dir, 50, name=name, digest="new-revision")
+    assert r["decision"] == "challenger" and r["compared_items"] == 0 and "other gsm8k_test data" in r["reason"]
+    assert _register(sqlite_uri, model_dir, 50, name=name, digest="old-revision")["decision"] == "promoted"
+
+
+def test_a_registration_landing_mid_decision_is_decided_against(sqlite_uri, model_dir, monkeypatch):
+    """v3 (much better) is registered and promoted while v2 (worse than v3, better than v1) is
+    being decided against v1: v2 decides again against v3 and stays challenger, so the best
+    model keeps @champion (it used to end with v2 champion and v3 with no alias)."""
+    import grpo_core.registry as registry
+    from mlflow import MlflowClient
+
+    name = "grpo-race"
+    assert _register(sqlite_uri, model_dir, 10, name=name)["decision"] == "first"
+    decide, landed = registry._decide_against_champion, []
+
+    def decide_while_another_registers(*args, **kw):
+        result = decide(*args, **kw)
+        if not landed:  # once: the other registration decides unhindered
+            landed.append(None)
+            landed[0] = _register(sqlite_uri, model_dir, 55, name=name)
+        return result
+
+    monkeypatch.setattr(registry, "_decide_against_champion", decide_while_another_registers)
+    v2 = _register(sqlite_uri, model_dir, 30, name=name)
+    assert landed[0]["decision"] == "promoted" and landed[0]["version"] == 3
+    assert v2["version"] == 2 and v2["decision"] == "challenger" and v2["champion_version"] == 3
+    client = MlflowClient(tracking_uri=sqlite_uri, registry_uri=sqlite_uri)
+    assert aliases_by_version(client, name) == {3: ["champion"], 1: ["previous-champion"], 2: ["challenger"]}
 
 
 # ---------------------------------------------------------------- real server, artifacts in S3
