@@ -52,7 +52,7 @@ class GRPOFlow(FlowSpec):
     @step
     def load_sft(self):
         """Resolve (or bootstrap) the SFT checkpoint into storage."""
-        self.sft_uri, self.sft_metrics = pipeline.load_sft(self.pc, self._ctx())
+        self.sft_uri, self.sft_metrics = pipeline.load_sft(self.pc, self._ctx(), self.datasets)
         self.next(self.curriculum_grpo)
 
     @card(type="blank", id="training", refresh_interval=10)
@@ -77,7 +77,7 @@ class GRPOFlow(FlowSpec):
     def evaluate(self):
         """Greedy accuracy of one stage's checkpoint on the same held-out items."""
         stage, uri = self.input
-        self.result = pipeline.evaluate_checkpoint(self.pc, stage, uri)
+        self.result = pipeline.evaluate_checkpoint(self.pc, stage, uri, self.datasets)
         self.next(self.join_evaluations)
 
     @card(type="blank", id="evaluation")
@@ -85,7 +85,7 @@ class GRPOFlow(FlowSpec):
     def join_evaluations(self, inputs):
         """Collect every stage's results, log them named by their data."""
         self.merge_artifacts(inputs, include=["ctx", "datasets", "sft_metrics", "curriculum", "gsm8k"])
-        self.results = [i.result for i in inputs]
+        self.results = pipeline.in_stage_order([i.result for i in inputs])
         pipeline.log_evaluation(self._ctx(), self.results, self.datasets)
         stage_table_card(current.card["evaluation"], self.results)
         self.next(self.register)

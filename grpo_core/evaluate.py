@@ -61,24 +61,35 @@ def eval_sets(eval_cfg, arith: dict) -> dict[str, list[dict]]:
 
 
 def main(argv=None):
+    from grpo_core.config import gsm8k_source
     from grpo_core.models import load_policy
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="hub id, local dir or s3:// URI")
     p.add_argument("--set", default="arith_holdout", choices=("arith_holdout", "gsm8k_test"))
-    p.add_argument("--size", type=int, default=200)
+    p.add_argument("--size", type=int, default=200, help="items (the first N of the split; 0: all GSM8K test)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--arith-ops", default="+-*", help="arithmetic the model was trained on (its test split)")
+    p.add_argument("--arith-min", type=int, default=0)
+    p.add_argument("--arith-max", type=int, default=20)
+    p.add_argument("--gsm8k-source", default="openai/gsm8k", help="hub id or dir (GSM8K_DIR wins)")
     a = p.parse_args(argv)
     from grpo_core.pipeline_config import EvalConfig
 
     arith = a.set == "arith_holdout"
+    if a.size < (1 if arith else 0):
+        p.error(f"--size must be >= {1 if arith else 0} for {a.set}")
     cfg = EvalConfig(gsm8k_size=-1 if arith else a.size, arith_size=a.size if arith else 0,
                      max_new_tokens=a.max_new_tokens)
-    rows = eval_sets(cfg, {})[a.set]
+    data = {"arith_ops": a.arith_ops, "arith_min": a.arith_min, "arith_max": a.arith_max,
+            "gsm8k_source": a.gsm8k_source}
+    rows = eval_sets(cfg, data)[a.set]
     model, tok = load_policy(a.model)
     torch.manual_seed(0)
     res = greedy_results(model, tok, rows, max_new_tokens=a.max_new_tokens)
-    print(json.dumps({"set": a.set, **summarize(res)}))
+    described = (f"arithmetic {a.arith_ops} over {a.arith_min}..{a.arith_max}, test split" if arith
+                 else f"{gsm8k_source(a.gsm8k_source)} test split")
+    print(json.dumps({"set": a.set, "data": described, **summarize(res)}))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from grpo_core.tracking import read_jsonl
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 CODE_DIR = Path(__file__).resolve().parent.parent  # the directory that holds grpo_core/
+STAGES = ("sft", "curriculum", "gsm8k")  # the checkpoints the flow evaluates, in pipeline order
 RESUME_CHAIN = "resume_chain.json"  # in a training step's storage: the earlier attempts it resumes from
 
 
@@ -114,6 +115,10 @@ def open_tracking(cfg: PipelineConfig, tags: dict, run_name: str) -> tuple[str, 
     from grpo_core.tracking_logger import open_tracker
 
     uri = resolve_tracking_uri(cfg.tracking_uri, str(PROJECT_DIR))
+    if cfg.compute.backend == "kubernetes" and not uri.startswith(("http://", "https://", "databricks")):
+        raise RuntimeError(f"compute.backend = 'kubernetes' but the MLflow tracking URI is {uri!r}: training "
+                           "pods cannot reach a file or sqlite store on this machine, and their points would "
+                           "be lost. Set tracking_uri (or MLFLOW_TRACKING_URI) to the in-cluster MLflow server.")
     run_id = start_parent_run(uri, cfg.experiment, tags, run_name=run_name)
     with open_tracker(uri, run_id) as t:
         t.log_params(cfg.to_dict())
@@ -132,7 +137,7 @@ def child_run(ctx: RunContext, stage: str, datasets: dict | None = None, names=(
     return run_id
 
 
-def load_sft(cfg: PipelineConfig, ctx: RunContext) -> tuple[str, dict]:
+def load_sft(cfg: PipelineConfig, ctx: RunContext, datasets: dict) -> tuple[str, dict]:
     """The SFT checkpoint URI: bootstrap it here, or pass a hub id / dir / s3:// through."""
     if cfg.sft.source != "bootstrap":
         return cfg.sft.source, {"sft_source": cfg.sft.source}
@@ -143,7 +148,7 @@ def load_sft(cfg: PipelineConfig, ctx: RunContext) -> tuple[str, dict]:
 
     torch.set_num_threads(max(os.cpu_count() or 1, 1))
     local = ctx.scratch("load_sft") / "model"
-    metrics = bootstrap(cfg.sft, local)
+    metrics = bootstrap(cfg.sft, local, gsm8k=datasets["gsm8k_train"]["source"])
     uri = storage.put_dir(local, storage.join(ctx.step_uri("load_sft"), "model"))
     with open_tracker(ctx.tracking_uri, child_run(ctx, "load_sft")) as t:
         t.log_params(cfg.sft.__dict__)
@@ -162,8 +167,8 @@ def stage_config(cfg: PipelineConfig, stage: str, step: str, model_uri: str, ctx
     sc = cfg.stage(stage, model=model_uri, output_dir=str(ctx.scratch(step)), sync_uri=ctx.step_uri(step),
                    resume_from=resume, tracking_uri=ctx.tracking_uri,
                    tracking_run_id=child_run(ctx, stage, datasets, names))
-    if stage == "gsm8k":
-        sc.gsm8k_source = gsm8k_source(sc.gsm8k_source)
+    if stage == "gsm8k":  # the copy start fingerprinted (a pod's environment may lack GSM8K_DIR)
+        sc.gsm8k_source = datasets["gsm8k_train"]["source"]
     return sc.to_dict()
 
 
@@ -197,6 +202,7 @@ def launch_stage(stage_cfg: dict, nproc: int, threads: int, on_progress=None, po
             if on_progress:
                 on_progress(read_metrics(out))
     if rc != 0:
+        _mark_failed(stage_cfg.get("tracking_uri"), stage_cfg.get("tracking_run_id"))
         raise RuntimeError(f"stage {stage_cfg['stage']} failed: torchrun exited with {rc} "
                            "(see the rank logs above); `resume` continues from its last checkpoint")
     if on_progress:
@@ -204,13 +210,32 @@ def launch_stage(stage_cfg: dict, nproc: int, threads: int, on_progress=None, po
     return json.loads((out / "summary.json").read_text())
 
 
+def _mark_failed(tracking_uri: str | None, run_id: str | None) -> None:
+    """The failed stage's MLflow run shows FAILED (a ``resume`` sets it back to RUNNING)."""
+    if not (tracking_uri and run_id):
+        return
+    from grpo_core.tracking import finish_run, warn
+
+    try:
+        finish_run(tracking_uri, run_id, "FAILED")
+    except Exception as exc:  # the stage's own error is what the user needs to see
+        warn(f"could not mark run {run_id} FAILED: {exc}")
+
+
+def in_stage_order(results: list[dict]) -> list[dict]:
+    """Evaluation results sorted sft, curriculum, gsm8k: the last one is the shipped model's,
+    whatever order the foreach join hands them in."""
+    return sorted(results, key=lambda r: STAGES.index(r["stage"]))
+
+
 def read_metrics(out_dir: str | Path) -> list[dict]:
     f = Path(out_dir) / METRICS_FILE
     return read_jsonl(str(f)) if f.exists() else []
 
 
-def evaluate_checkpoint(cfg: PipelineConfig, stage: str, model_uri: str) -> dict:
-    """Greedy per-item results of one checkpoint on every held-out set, with summaries."""
+def evaluate_checkpoint(cfg: PipelineConfig, stage: str, model_uri: str, datasets: dict) -> dict:
+    """Greedy per-item results of one checkpoint on every held-out set (GSM8K from the copy
+    ``start`` fingerprinted), with summaries; on a GPU when the step has one."""
     import torch
 
     from grpo_core.evaluate import eval_sets, greedy_results, summarize
@@ -218,8 +243,11 @@ def evaluate_checkpoint(cfg: PipelineConfig, stage: str, model_uri: str) -> dict
 
     torch.manual_seed(0)
     e = cfg.evaluate
-    sets = eval_sets(e, {**cfg.curriculum, "gsm8k_source": cfg.gsm8k.get("gsm8k_source", "openai/gsm8k")})
-    model, tok = load_policy(model_uri)
+    sets = eval_sets(e, {**cfg.curriculum, "gsm8k_source": datasets["gsm8k_test"]["source"]})
+    trust = any(getattr(cfg, s).get("trust_remote_code", False) for s in ("curriculum", "gsm8k"))
+    model, tok = load_policy(model_uri, trust_remote_code=trust)
+    if torch.cuda.is_available():
+        model.to("cuda")
     items = {name: greedy_results(model, tok, rows, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size)
              for name, rows in sets.items()}
     return {"stage": stage, "model_uri": model_uri, "items": items,

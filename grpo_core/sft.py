@@ -19,22 +19,35 @@ from pathlib import Path
 import torch
 
 from grpo_core.config import gsm8k_source
-from grpo_core.pipeline_config import SFTConfig
 from grpo_core.data import arithmetic_rows, gsm8k_rows, sft_target
 from grpo_core.models import build_tiny, save_policy
+from grpo_core.pipeline_config import SFTConfig
 from grpo_core.rollout import render_prompts
 
-MAX_SFT_TOKENS = 512  # GSM8K rows longer than this are cut from the end of their reasoning
+THINK_END = "</think>"  # where the reasoning ends in the SFT target (data.SFT_FORMAT)
+MAX_SFT_TOKENS = 512  # longer rows lose the end of their reasoning, never the answer
 
 
-def encode_examples(tok, rows: list[dict]) -> list[tuple[list[int], int]]:
-    """(token ids of prompt + target + eos, prompt length) per row."""
+def encode_examples(tok, rows: list[dict], max_tokens: int = MAX_SFT_TOKENS) -> list[tuple[list[int], int]]:
+    """(token ids of prompt + target + eos, prompt length) per row, at most ``max_tokens``.
+
+    A longer row is cut inside its reasoning, so the ``</think><answer>N</answer>`` tail and eos
+    always stay: cut from the end, half of the GSM8K rows taught long reasoning with no answer
+    and no stop. A row whose prompt and tail alone do not fit is dropped."""
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     prompts = render_prompts(tok, [r["prompt"] for r in rows])
     out = []
     for text, row in zip(prompts, rows):
-        p = tok(text, add_special_tokens=False)["input_ids"]
-        t = tok(sft_target(row), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        out.append(((p + t)[:MAX_SFT_TOKENS], len(p)))
+        p, target = enc(text), sft_target(row)
+        t = enc(target) + [tok.eos_token_id]
+        if len(p) + len(t) > max_tokens:
+            head, tail = target[:target.rindex(THINK_END)], target[target.rindex(THINK_END):]
+            tail_ids = enc(tail) + [tok.eos_token_id]
+            room = max_tokens - len(p) - len(tail_ids)
+            if room < 1:
+                continue
+            t = enc(head)[:room] + tail_ids
+        out.append((p + t, len(p)))
     return out
 
 
@@ -51,13 +64,14 @@ def collate(examples, pad_id: int):
     return ids, attn, labels
 
 
-def bootstrap(cfg: SFTConfig, out_dir: str | Path) -> dict:
-    """Build the tiny model, SFT it, save it to ``out_dir``; returns SFT metrics."""
+def bootstrap(cfg: SFTConfig, out_dir: str | Path, gsm8k: str = "openai/gsm8k") -> dict:
+    """Build the tiny model, SFT it, save it to ``out_dir``; returns SFT metrics. ``gsm8k``: the
+    GSM8K source the run fingerprinted (hub id or dir), for ``gsm8k_examples``."""
     torch.manual_seed(cfg.seed)
     model, tok = build_tiny(cfg.arch, cfg.hidden, cfg.layers, cfg.heads, seed=cfg.seed)
     rows = arithmetic_rows(cfg.arith_ops, cfg.arith_min, cfg.arith_max, "train")
     if cfg.gsm8k_examples:
-        rows += gsm8k_rows(gsm8k_source("openai/gsm8k"), "train", limit=cfg.gsm8k_examples)
+        rows += gsm8k_rows(gsm8k_source(gsm8k), "train", limit=cfg.gsm8k_examples)
     examples = encode_examples(tok, rows)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -79,7 +93,8 @@ def bootstrap(cfg: SFTConfig, out_dir: str | Path) -> dict:
             print(f"[sft] step {step}/{cfg.steps} loss {sum(losses[-50:]) / len(losses[-50:]):.4f}", flush=True)
     save_policy(model, tok, out_dir)
     return {"sft_steps": cfg.steps, "sft_final_loss": sum(losses[-50:]) / max(len(losses[-50:]), 1),
-            "sft_seconds": time.perf_counter() - t0, "sft_examples": len(examples)}
+            "sft_seconds": time.perf_counter() - t0, "sft_examples": len(examples),
+            "sft_rows_dropped": len(rows) - len(examples)}
 
 
 def main(argv=None):

@@ -21,7 +21,7 @@ import torch
 from grpo_core import checkpoint, dist, storage
 from grpo_core.algorithm import (group_advantages, grpo_loss, informative_mask, masked_mean, micro_batch_weight,
                                  std_from_moments)
-from grpo_core.config import METRICS_FILE
+from grpo_core.config import METRICS_FILE, ConfigError
 from grpo_core.data import PromptStream, eval_rows, train_rows
 from grpo_core.evaluate import greedy_results
 from grpo_core.health import divergence_alarm
@@ -51,6 +51,9 @@ def iteration_seed(seed: int, iteration: int, rank: int) -> int:
 class Trainer:
     def __init__(self, cfg, info: dist.DistInfo):
         self.cfg, self.info = cfg, info
+        if cfg.prompts_per_iter % info.world_size:  # _shard would drop the remainder every iteration
+            raise ConfigError(f"stage '{cfg.stage}'.prompts_per_iter: {cfg.prompts_per_iter} prompts cannot be split "
+                              f"across {info.world_size} ranks; use a multiple of {info.world_size}")
         self.out = Path(cfg.output_dir)
         self.ckpt_dir = self.out / "checkpoints"
         self.metrics_path = self.out / METRICS_FILE  # one JSON line per iteration (rank 0)
@@ -388,6 +391,7 @@ class Trainer:
             m = self._metrics(it, batch, roll, upd, time.perf_counter() - t0)
             if self.eval_rows is not None and ((c.eval_every and it % c.eval_every == 0) or it == c.iterations):
                 m["eval_accuracy"] = self.evaluate()
+                m["eval_n"] = len(self.eval_rows)  # validation items it is over (eval_size, or all there are)
             promoted = self._gate(m)
             self.state["iteration"] = it
             self._record(m, batch)

@@ -3,9 +3,9 @@ are disjoint, so no reported accuracy is chosen on the items it reports."""
 import pytest
 
 from grpo_core.config import GRPOConfig
-from grpo_core.pipeline_config import PipelineConfig
 from grpo_core.data import SPLITS, arithmetic_rows, arithmetic_split, eval_rows, gsm8k_rows, train_rows
 from grpo_core.evaluate import eval_sets
+from grpo_core.pipeline_config import PipelineConfig
 from tests.helpers import GSM8K_DIR
 
 needs_gsm8k = pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs GSM8K_DIR (a local GSM8K copy)")
@@ -53,3 +53,23 @@ def test_gsm8k_validation_comes_from_train_and_is_never_trained_on(monkeypatch):
     assert len(periodic) == 100 and _ids(periodic) <= _ids(validation)
     assert not _ids(periodic) & _ids(train_rows(stage))
     assert [r["id"] for r in gsm8k_rows(source, "test", limit=3)] == ["gsm8k_test:0", "gsm8k_test:1", "gsm8k_test:2"]
+
+
+def test_sft_rows_too_long_lose_reasoning_never_the_answer_or_the_stop():
+    """A row over the token budget is cut inside its <think> text: the answer tail and eos stay
+    (cut from the end, 3,372 of 7,116 GSM8K rows lost their answer); a row whose prompt and
+    tail alone overflow is dropped, not taught without an answer."""
+    from grpo_core.models import build_tiny
+    from grpo_core.sft import encode_examples
+
+    _, tok = build_tiny("llama", 16, 1, 2, seed=0)
+    rows = [{"prompt": "1+2=", "think": "1+2=3", "gold": 3},
+            {"prompt": "How many?", "think": "we add " * 40, "gold": 1234},
+            {"prompt": "x" * 120, "think": "short", "gold": 5}]
+    out = encode_examples(tok, rows, max_tokens=100)
+    assert len(out) == 2  # the third row's prompt alone fills the budget
+    for (ids, plen), row in zip(out, rows):
+        assert len(ids) <= 100 and ids[-1] == tok.eos_token_id
+        target = tok.decode(ids[plen:-1])
+        assert target.startswith("<think>") and target.endswith(f"</think><answer>{row['gold']}</answer>")
+    assert tok.decode(out[0][0][out[0][1]:-1]) == "<think>1+2=3</think><answer>3</answer>"  # short rows whole

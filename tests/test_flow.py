@@ -84,9 +84,27 @@ def crashed_and_resumed(tmp_path_factory):
     cfg = tiny_config(root)
     failed = run_flow(root, cfg, GRPO_FAIL_AT="gsm8k:3")
     assert failed.status == "failed", failed.stdout[-3000:]
+    assert _child_runs(cfg, failed.run)["gsm8k"].info.status == "FAILED"  # not left RUNNING
     resumed = run_flow(root, cfg, resume_from=failed.run.id)
     assert resumed.status == "successful", resumed.stderr[-5000:]
     return root, cfg, failed.run, resumed.run
+
+
+def _child_runs(cfg, run) -> dict:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=cfg["tracking_uri"])
+    parent_id = run["start"].task["ctx"].data.parent_run_id
+    return {r.data.tags["grpo.stage"]: r for r in client.search_runs(
+        [client.get_run(parent_id).info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")}
+
+
+def test_evaluation_results_are_put_in_stage_order():
+    """The join may hand the foreach results in any order; the last must be the shipped model's."""
+    from grpo_core.pipeline import in_stage_order
+
+    got = in_stage_order([{"stage": "gsm8k"}, {"stage": "sft"}, {"stage": "curriculum"}])
+    assert [r["stage"] for r in got] == ["sft", "curriculum", "gsm8k"]
 
 
 def test_resume_clones_finished_steps_and_continues_the_failed_one(crashed_and_resumed):
@@ -121,6 +139,7 @@ def test_mlflow_records_every_stage_without_duplicate_steps(crashed_and_resumed)
     children = {r.data.tags["grpo.stage"]: r for r in client.search_runs(
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")}
     assert {"load_sft", "curriculum", "gsm8k", "evaluate", "register"} <= set(children)
+    assert children["gsm8k"].info.status == "FINISHED"  # FAILED by the crash, reopened by the resume
     steps = [m.step for m in client.get_metric_history(children["gsm8k"].info.run_id, "reward")]
     assert steps == [1, 2, 3, 4], steps  # iteration 3 ran twice, but was logged once
     gsm = children["gsm8k"]

@@ -404,6 +404,28 @@ def test_reward_function_metrics_are_means_over_the_rows_they_apply_to(tiny, tmp
                                         rel=1e-6)
 
 
+def test_prompts_that_do_not_split_across_ranks_are_refused_not_dropped(tiny, tmp_path):
+    """3 prompts on 2 ranks: sharding would drop one every iteration, silently (only the pipeline
+    config checked this; ``python -m grpo_core.train`` under torchrun did not)."""
+    from grpo_core import dist
+    from grpo_core.trainer import Trainer
+
+    cfg = load_config(None, [a.removeprefix("--set=") for a in _stage(tiny, tmp_path, prompts_per_iter=3)])
+    with pytest.raises(ConfigError, match=r"stage 'grpo'\.prompts_per_iter: 3 prompts cannot be split across 2 ranks"):
+        Trainer(cfg, dist.DistInfo(0, 2, 0, torch.device("cpu")))
+
+
+def test_the_validation_accuracy_says_how_many_items_it_is_over(tiny, tmp_path):
+    """eval_size 500 asks for more arithmetic validation items than there are: eval_n says how many."""
+    from grpo_core.data import eval_rows
+
+    main(_stage(tiny, tmp_path, iterations=2, eval_every=2, eval_size=500, task="arithmetic"))
+    rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    cfg = load_config(None, [a.removeprefix("--set=") for a in _stage(tiny, tmp_path, task="arithmetic")])
+    available = len(eval_rows(cfg, 10**6))
+    assert "eval_n" not in rows[0] and rows[1]["eval_n"] == available < 500
+
+
 def test_torchrun_batch_scale_uses_the_std_over_all_ranks(tiny, tmp_path):
     """The two halves' reward stds (0.577, 0.479) differ from the whole batch's (0.496): a per-rank
     std would change the update, the all-reduced one leaves it equal to one process's."""
