@@ -166,6 +166,13 @@ def load_policy(name_or_path: str, *, trust_remote_code: bool = False, dtype: st
         tok = prepare_tokenizer(tok)
     except ValueError as exc:
         raise ValueError(f"{name_or_path!r}: {exc}") from exc
+    vocab = model.get_input_embeddings().num_embeddings  # pad and eos are fed back in and gathered
+    for role, token_id in (("pad", tok.pad_token_id), ("eos", tok.eos_token_id)):
+        if token_id >= vocab:
+            raise ValueError(f"{name_or_path!r}: the tokenizer's {role} token id {token_id} is outside the "
+                             f"model's {vocab} embeddings (a token added to the tokenizer only); call "
+                             "model.resize_token_embeddings(len(tokenizer)) and save both, or use an "
+                             "existing token")
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
 

@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import time
 import warnings
 from pathlib import Path
@@ -384,7 +385,9 @@ class Trainer:
         it, last = start, start if promoted else c.iterations
         for it in range(start + 1, last + 1):
             self.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
-            torch.manual_seed(iteration_seed(c.seed, it, self.info.rank))
+            seed = iteration_seed(c.seed, it, self.info.rank)
+            torch.manual_seed(seed)
+            random.seed(seed)  # reward functions that draw from ``random`` resume exactly too, on every rank
             t0 = time.perf_counter()
             batch, roll = self.rollout()
             upd = self.update(batch)

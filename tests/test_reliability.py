@@ -665,7 +665,7 @@ def test_model_source_kinds_hub_ids_dirs_and_missing_paths(tiny, tmp_path, monke
 
 
 def test_bad_model_dirs_are_errors_naming_the_dir_and_fix(tiny, tmp_path):
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
     from grpo_core.models import build_char_tokenizer, load_policy
 
@@ -684,6 +684,15 @@ def test_bad_model_dirs_are_errors_naming_the_dir_and_fix(tiny, tmp_path):
     _tweak_tokenizer(no_eos, eos_token=None)
     with pytest.raises(ValueError, match=r"no-eos': tokenizer has no eos_token; set one"):
         load_policy(str(no_eos))
+
+    new_pad = tmp_path / "new-pad"  # a pad token added to the tokenizer, not to the embeddings
+    shutil.copytree(tiny, new_pad)
+    tok = AutoTokenizer.from_pretrained(new_pad)
+    tok.add_special_tokens({"pad_token": "<newpad>"})
+    tok.save_pretrained(new_pad)
+    with pytest.raises(ValueError, match=r"new-pad': the tokenizer's pad token id \d+ is outside the model's "
+                                         r"\d+ embeddings.*resize_token_embeddings"):
+        load_policy(str(new_pad))
 
     no_pad = tmp_path / "no-pad"
     shutil.copytree(tiny, no_pad)
