@@ -2,10 +2,18 @@
 
 The final answer of a completion is read, in order of priority, from
   1. ``<answer>...</answer>`` tags (all closed tags must agree: two different answers are wrong),
-  2. the last ``#### N`` line whose rest is a number (GSM8K style; markdown headings are skipped),
-  3. the last ``\\boxed{...}``,
-  4. the last number in the text.
-Numbers are exact ``fractions.Fraction`` values compared with a tolerance of 1e-6 * max(1, |gold|).
+  2. whichever comes later in the text of
+     - the last ``#### N`` line whose rest is a number (GSM8K style). Markdown headings are skipped:
+       a number followed by ``.``/``)``/``:`` and text (``#### 2. Compute``, ``#### 3) Answer``) or by
+       a capitalised word (``#### 2 Final Answer``); ``#### 18.``, ``#### 18 apples``, ``#### $1,234`` count;
+     - the last ``\\boxed{...}`` holding a number,
+  3. the last number in the text.
+Numbers are exact ``fractions.Fraction`` values. Accepted forms: ``$``, ``%``, units, thousands commas
+(also the LaTeX ``1{,}000``, ``1,\\!000``, ``1\\,000``, ``1\\!000``, ``1\\ 000``), decimals, ``a/b`` and
+``\\frac{a}{b}``, mixed numbers (``2 1/2`` and ``2\\frac{1}{2}`` are 5/2; ``-2 1/2`` is -5/2) and
+scientific notation with at most 3 exponent digits (``1.5e6``). ``12,5`` is not a decimal comma: it reads as 5.
+An integer gold is matched with an absolute tolerance of 1e-6 (so 1,449,999 is not 1,450,000); any other
+gold with a relative tolerance of 1e-6 * max(1, |gold|).
 Parsing uses ``str.find``/``count`` and small regexes without nested quantifiers, so it is
 linear in the input: 200k characters of adversarial text take milliseconds.
 
@@ -30,32 +38,58 @@ from typing import Callable
 CORRECT_REWARD = 1.0
 FORMAT_BONUS = 0.2  # for exactly one well-formed <answer>N</answer> block
 MAX_REWARD = 1.2  # CORRECT_REWARD + FORMAT_BONUS
-REL_TOL = Fraction(1, 10**6)  # |a - b| <= REL_TOL * max(1, |gold|)
+REL_TOL = Fraction(1, 10**6)  # |a - b| <= REL_TOL (integer gold), else <= REL_TOL * max(1, |gold|)
 FLOAT32_MAX = 3.4028234663852886e38  # largest finite float32: rewards become a float32 tensor
 MAX_NUMBER_CHARS = 64  # longer digit strings are rejected, not converted (int() on 200k digits is slow)
 
 _OPEN, _CLOSE, _BOXED = "<answer>", "</answer>", "\\boxed{"
-# sign (not after a word char or ')'), digits with ",ddd" groups and decimals, or ".5"; optional "/den"
+# sign (not after a word char or ')'), then either a mixed number "2 1/2" (integer, ONE space, a/b) or
+# digits with ",ddd" groups and decimals, or ".5"; an optional exponent "e-3" (1-3 digits); optional "/den".
+# No nested quantifiers (only the fixed-width ",ddd" group repeats), so matching stays linear.
 _NUMBER = re.compile(
-    r"(?:(?<![\w)])[-\u2212]\$?)?(?:\d+(?:,\d{3}(?!\d))*(?:\.\d+)?|\.\d+)(?:/\d+)?", re.ASCII
+    r"(?:(?<![\w)])[-\u2212]\$?)?"
+    r"(?:\d+(?:,\d{3}(?!\d))* \d+/\d+"
+    r"|(?:\d+(?:,\d{3}(?!\d))*(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d{1,3}(?!\d))?(?:/\d+)?)",
+    re.ASCII,
 )
 _FRAC = re.compile(r"\\d?frac\{([-\d.,]+)\}\{([-\d.,]+)\}", re.ASCII)  # \frac{1}{2} -> 1/2
+# LaTeX thousands separators between a digit and exactly three digits: 1{,}000 1,\!000 1\,000 1\!000 1\ 000
+_LATEX_SEP = re.compile(r"(?<=\d)(?:\{,\}|,\\!|\\[,! ])(?=\d{3}(?!\d))", re.ASCII)
+# what follows the number of a markdown heading "#### 2. Compute", "#### 3) **Answer**", "#### 2 Final Answer"
+_HEADING_REST = re.compile(r"\s*[.):]\s*[*_`]*[^\W\d_]|\s+[*_`]*[A-Z]")
 _DIGIT = re.compile(r"\d", re.ASCII)
+
+
+def _frac_to_slash(m: re.Match) -> str:
+    # "3\frac{1}{2}" is the mixed number 3 1/2: keep the whole part apart from the numerator
+    space = " " if m.start() > 0 and m.string[m.start() - 1] in "0123456789" else ""
+    return f"{space}{m.group(1)}/{m.group(2)}"
+
+
+def _normalise(text: str) -> str:
+    """``text`` with LaTeX thousands separators as ``,`` and ``\\frac{a}{b}`` as ``a/b``: the one place
+    numbers are prepared before ``_NUMBER`` reads them."""
+    return _FRAC.sub(_frac_to_slash, _LATEX_SEP.sub(",", text))
+
 
 def _to_fraction(token: str) -> Fraction | None:
     token = token.replace(",", "").replace("$", "").replace("\u2212", "-")
     if len(token) > MAX_NUMBER_CHARS:
         return None
-    num, _, den = token.partition("/")
+    sign = -1 if token.startswith("-") else 1  # of the whole value: -2 1/2 is -5/2
+    whole, _, frac = token.lstrip("-").rpartition(" ")
+    num, _, den = frac.partition("/")
     if den and int(den) == 0:
         return None
-    return Fraction(num) / (Fraction(den) if den else 1)
+    value = Fraction(num) / (Fraction(den) if den else 1)
+    return sign * (Fraction(whole) + value if whole else value)
 
 
 def parse_number(text: str | None) -> Fraction | None:
     """Value of the last number in ``text`` as an exact ``Fraction``, or None.
 
-    Tolerates ``$``, thousands commas, ``%``, units, ``\\frac{a}{b}`` and ``a/b``.
+    Tolerates ``$``, thousands commas (also LaTeX ``1{,}000``), ``%``, units, ``\\frac{a}{b}``, ``a/b``,
+    mixed numbers (``2 1/2``, ``2\\frac{1}{2}``) and exponents (``1.5e6``).
     Numbers longer than MAX_NUMBER_CHARS characters give None.
 
     >>> parse_number("$1,234.00")
@@ -64,25 +98,44 @@ def parse_number(text: str | None) -> Fraction | None:
     Fraction(-1, 2)
     >>> parse_number("1/2"), parse_number("no digits")
     (Fraction(1, 2), None)
+    >>> parse_number("\\boxed{1{,}000}"), parse_number("-2 1/2"), parse_number("1.5e6")
+    (Fraction(1000, 1), Fraction(-5, 2), Fraction(1500000, 1))
     """
-    if not text:
-        return None
+    last = _last_number(text) if text else None
+    return _to_fraction(last) if last else None
+
+
+def _last_number(text: str) -> str | None:
+    """The last number token of ``text`` (normalised), or None."""
     last = None
-    for last in _NUMBER.finditer(_FRAC.sub(r"\1/\2", text)):
+    for last in _NUMBER.finditer(_normalise(text)):
         pass
-    return _to_fraction(last.group()) if last else None
+    return last.group() if last else None
+
+
+def _clean_match(text: str) -> re.Match | None:
+    """The match of the one number ``text`` holds (allowing ``$``, ``\\boxed{}``, ``%``, units), else None.
+    Its ``.string`` is the normalised text, so what follows the number is ``m.string[m.end():]``."""
+    s = text.strip()
+    if s.startswith(_BOXED) and s.endswith("}"):
+        s = s[len(_BOXED) : -1].strip()
+    s = _normalise(s.lstrip("$").strip())
+    m = _NUMBER.match(s)
+    if not m or _DIGIT.search(s, m.end()):
+        return None
+    return m
 
 
 def _clean_number(text: str) -> Fraction | None:
     """Value of ``text`` if it is one number (allowing ``$``, ``\\boxed{}``, ``%``, units), else None."""
-    s = text.strip()
-    if s.startswith(_BOXED) and s.endswith("}"):
-        s = s[len(_BOXED) : -1].strip()
-    s = _FRAC.sub(r"\1/\2", s.lstrip("$").strip())
-    m = _NUMBER.match(s)
-    if not m or _DIGIT.search(s, m.end()):
-        return None
-    return _to_fraction(m.group())
+    m = _clean_match(text)
+    return _to_fraction(m.group()) if m else None
+
+
+def _hash_answer(line: str) -> bool:
+    """True if the rest of a ``####`` line is a number answer, not a numbered markdown heading."""
+    m = _clean_match(line)
+    return m is not None and _to_fraction(m.group()) is not None and not _HEADING_REST.match(m.string, m.end())
 
 
 def _agree(contents: list[str]) -> str | None:
@@ -103,15 +156,28 @@ def _tag_contents(text: str) -> list[str] | None:
     return contents or None
 
 
-def _last_boxed(text: str) -> str | None:
-    start = text.rfind(_BOXED)
-    if start == -1:
+def _last_boxed(text: str) -> tuple[int, str] | None:
+    """(position, stripped content) of the last ``\\boxed{...}``; None if there is none or it is unclosed."""
+    pos = text.rfind(_BOXED)
+    if pos == -1:
         return None
-    depth, start = 1, start + len(_BOXED)
+    depth, start = 1, pos + len(_BOXED)
     for i, ch in enumerate(text[start:], start):
         depth += (ch == "{") - (ch == "}")
         if depth == 0:
-            return text[start:i].strip()
+            return pos, text[start:i].strip()
+    return None
+
+
+def _last_hash(text: str) -> tuple[int, str] | None:
+    """(position, stripped line) of the last ``#### N`` answer line (see ``_hash_answer``), or None."""
+    parts = text.split("####")
+    pos = len(text)
+    for part in reversed(parts[1:]):
+        pos -= len(part) + len("####")
+        line = part.partition("\n")[0].strip()
+        if _hash_answer(line):
+            return pos, line
     return None
 
 
@@ -124,23 +190,23 @@ def extract_answer(completion: str) -> str | None:
     True
     >>> extract_answer("Step 1...\\n#### 72"), extract_answer("so she has 72 apples.")
     ('72', '72')
+    >>> extract_answer("#### 1. Plan\\n3*6 = 18, so \\\\boxed{18}.")  # a heading is not an answer
+    '18'
+    >>> extract_answer("\\\\boxed{20} Recheck: 3*6 = 18\\n#### 18")  # the later of #### and \\boxed wins
+    '18'
     """
     if not completion:
         return None
     tagged = _tag_contents(completion)
     if tagged is not None:
         return _agree(tagged)
-    for part in reversed(completion.split("####")[1:]):
-        line = part.partition("\n")[0].strip()
-        if _clean_number(line) is not None:
-            return line
+    hashed = _last_hash(completion)
     boxed = _last_boxed(completion)
-    if boxed is not None and parse_number(boxed) is not None:
-        return boxed
-    last = None
-    for last in _NUMBER.finditer(_FRAC.sub(r"\1/\2", completion)):
-        pass
-    return last.group() if last else None
+    if boxed is not None and parse_number(boxed[1]) is None:
+        boxed = None
+    if hashed is not None or boxed is not None:
+        return max(c for c in (hashed, boxed) if c is not None)[1]  # the later one (positions differ)
+    return _last_number(completion)
 
 
 def gold_value(gold) -> Fraction:
@@ -167,14 +233,20 @@ def gold_value(gold) -> Fraction:
 
 
 def is_correct(completion: str, gold) -> bool:
-    """True if the completion's final answer equals ``gold`` numerically (relative tolerance 1e-6).
+    """True if the completion's final answer equals ``gold`` numerically.
+
+    An integer gold allows an absolute error of REL_TOL = 1e-6 (17.9999999 matches 18, but 1,449,999
+    does not match 1,450,000); any other gold a relative one, REL_TOL * max(1, |gold|).
 
     >>> is_correct("<answer>$1,234.00</answer>", 1234), is_correct("<answer>18</answer>", "#### 20")
+    (True, False)
+    >>> is_correct("<answer>17.9999999</answer>", 18), is_correct("<answer>1,449,999</answer>", 1450000)
     (True, False)
     """
     target = gold_value(gold)
     value = parse_number(extract_answer(completion))
-    return value is not None and abs(value - target) <= REL_TOL * max(1, abs(target))
+    tol = REL_TOL if target.denominator == 1 else REL_TOL * max(1, abs(target))
+    return value is not None and abs(value - target) <= tol
 
 
 def format_ok(completion: str) -> bool:
