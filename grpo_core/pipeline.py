@@ -19,7 +19,6 @@ from pathlib import Path
 from grpo_core import storage
 from grpo_core.config import METRICS_FILE, gsm8k_source
 from grpo_core.pipeline_config import PipelineConfig
-from grpo_core.tracking import read_jsonl
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 CODE_DIR = Path(__file__).resolve().parent.parent  # the directory that holds grpo_core/
@@ -194,13 +193,21 @@ def launch_stage(stage_cfg: dict, nproc: int, threads: int, on_progress=None, po
     env = {**os.environ, "OMP_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(CODE_DIR), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(torchrun_command(str(stage_json), nproc), env=env)
-    while True:
-        try:
-            rc = proc.wait(timeout=poll_s)
-            break
-        except subprocess.TimeoutExpired:
-            if on_progress:
-                on_progress(read_metrics(out))
+    try:
+        while True:
+            try:
+                rc = proc.wait(timeout=poll_s)
+                break
+            except subprocess.TimeoutExpired:
+                if on_progress:
+                    on_progress(read_metrics(out))
+    finally:  # the step failing here (a card that cannot render, Ctrl-C) must not leave torchrun training
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     if rc != 0:
         _mark_failed(stage_cfg.get("tracking_uri"), stage_cfg.get("tracking_run_id"))
         raise RuntimeError(f"stage {stage_cfg['stage']} failed: torchrun exited with {rc} "
@@ -229,8 +236,12 @@ def in_stage_order(results: list[dict]) -> list[dict]:
 
 
 def read_metrics(out_dir: str | Path) -> list[dict]:
+    """The stage's rows so far. Read while the trainer appends: text after the last newline may
+    be a row half written, so only complete lines count."""
     f = Path(out_dir) / METRICS_FILE
-    return read_jsonl(str(f)) if f.exists() else []
+    if not f.exists():
+        return []
+    return [json.loads(line) for line in f.read_text().split("\n")[:-1] if line.strip()]
 
 
 def evaluate_checkpoint(cfg: PipelineConfig, stage: str, model_uri: str, datasets: dict) -> dict:

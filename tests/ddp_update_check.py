@@ -33,7 +33,8 @@ _shared = scoring._shared_prefix_logits
 scoring._shared_prefix_logits = lambda *a, **k: shared_calls.append(1) or _shared(*a, **k)
 info = dist.init()
 cfg = GRPOConfig(model=model_dir, output_dir=out_file + ".d", loss_type=loss_type, beta=0.04, scale=scale,
-                 lr=1e-2, group_size=4, prompts_per_iter=groups, max_grad_norm=0.0,
+                 lr=1e-2, group_size=4, prompts_per_iter=groups * info.world_size, max_grad_norm=0.0,  # unused:
+                 # the batch below is fixed; the trainer only checks that prompts split across ranks
                  micro_batch_groups=micro_batch_groups)
 trainer = Trainer(cfg, info)
 batch = fixed_rollout_batch(groups, shared_prompts=prompts == "shared")

@@ -285,3 +285,36 @@ def test_steps_resolve_the_tracking_uri_where_they_run(monkeypatch):
     here = ctx.in_this_process(in_cluster)
     assert here.tracking_uri == "http://pod-env:5000" and here.parent_run_id == "abc"
     assert ctx.tracking_uri == "http://localhost:5000"  # frozen: the artifact is not changed
+
+
+def test_live_metrics_skip_a_row_half_written(tmp_path):
+    """The card reads metrics.jsonl while the trainer appends to it: a partial last line is not a row yet."""
+    from grpo_core.pipeline import read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"iteration": 1, "reward": 0.5}\n{"iteration": 2, "rew')
+    assert read_metrics(tmp_path) == [{"iteration": 1, "reward": 0.5}]
+    assert read_metrics(tmp_path / "missing") == []
+
+
+def test_a_step_that_fails_while_training_runs_stops_torchrun(tmp_path):
+    """The training card raising (or Ctrl-C) fails the step; torchrun and its ranks must not
+    train on, orphaned, writing into the step's scratch dir."""
+    from grpo_core.config import GRPOConfig
+    from grpo_core.pipeline import launch_stage
+    from tests.helpers import tiny_model_dir
+
+    model = tiny_model_dir(tmp_path / "model")
+    cfg = GRPOConfig(model=str(model), output_dir=str(tmp_path / "out"), iterations=100_000, save_every=100_000,
+                     task="arithmetic", rewards=[{"fn": "grpo_core.rewards:target_char_fraction"}]).to_dict()
+    seen = []
+
+    def card_fails(rows):
+        seen.append(len(rows))
+        if rows:
+            raise RuntimeError("card cannot render")
+
+    with pytest.raises(RuntimeError, match="card cannot render"):
+        launch_stage(cfg, nproc=1, threads=1, on_progress=card_fails, poll_s=0.2)
+    stage_json = str(tmp_path / "out" / "stage.json")
+    left = subprocess.run(["pgrep", "-f", stage_json], capture_output=True, text=True).stdout.split()
+    assert seen[-1] > 0 and left == [], left
