@@ -7,24 +7,30 @@ flow file runs on a laptop and on a cluster. (``@kubernetes`` written statically
 an S3 datastore and a kubeconfig even for local runs; ``--with kubernetes`` would put every
 step on the cluster.) The namespace comes from METAFLOW_KUBERNETES_NAMESPACE, not from here:
 Argo Workflows rejects per-step namespaces.
+
+The values come from the validated ``PipelineConfig`` (defaults filled in, ranges checked), not
+the raw TOML: a config that leaves out ``gpu``/``cpu``/``memory`` gets ``ComputeConfig``'s
+defaults, and a bad config fails here, at flow construction, with the ``ConfigError`` naming the
+field, before anything is deployed.
 """
 from metaflow import StepMutator
+
+from grpo_core.pipeline_config import PipelineConfig
 
 
 class train_compute(StepMutator):
     def pre_mutate(self, mutable_step):
-        cfg = dict(mutable_step.flow.configs)["cfg"]
-        c = cfg.compute
+        c = PipelineConfig.from_dict(dict(dict(mutable_step.flow.configs)["cfg"])).compute
         if c.backend != "kubernetes":
             return
         kw = {"gpu": c.gpu, "cpu": c.cpu, "memory": c.memory}
         for name in ("image", "service_account", "shared_memory", "disk"):
-            if c.get(name):
-                kw[name] = c[name]
-        if c.get("secrets"):
+            if getattr(c, name):
+                kw[name] = getattr(c, name)
+        if c.secrets:
             kw["secrets"] = list(c.secrets)
-        if c.get("node_selector"):
+        if c.node_selector:
             kw["node_selector"] = dict(c.node_selector)
-        if c.get("tolerations"):
+        if c.tolerations:
             kw["tolerations"] = [dict(t) for t in c.tolerations]
         mutable_step.add_decorator("kubernetes", deco_kwargs=kw)

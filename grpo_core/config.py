@@ -223,15 +223,22 @@ class GRPOConfig:
         require(self.group_size >= 2, f"{w}.group_size", f"{self.group_size} < 2: a group needs at least "
                  "two samples for a baseline; set group_size >= 2")
         for name in ("prompts_per_iter", "iterations", "mu", "max_new_tokens", "save_every",
-                     "max_prompt_tokens", "keep_checkpoints", "eval_size", "sample_every"):
+                     "max_prompt_tokens", "keep_checkpoints", "eval_size", "sample_every", "gate_patience"):
             require(getattr(self, name) >= 1, f"{w}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        require(self.eval_max_new_tokens >= 0, f"{w}.eval_max_new_tokens",
+                 f"must be >= 0 (0 = max_new_tokens), got {self.eval_max_new_tokens}")
+        require(self.max_resample_rounds >= 0, f"{w}.max_resample_rounds",
+                 f"must be >= 0, got {self.max_resample_rounds}")
         for name in ("lr", "temperature", "top_p", "collective_timeout_s"):
             v = getattr(self, name)
             require(math.isfinite(v) and v > 0, f"{w}.{name}", f"must be a finite number > 0, got {v}")
         for name in ("beta", "clip_low", "weight_decay", "max_grad_norm", "adv_eps", "reward_timeout_s"):
             v = getattr(self, name)
-            require(math.isfinite(v) and v >= 0, f"{w}.{name}", f"must be >= 0, got {v}")
-        require(self.clip_high is None or self.clip_high >= 0, f"{w}.clip_high", "must be >= 0 or omitted")
+            require(math.isfinite(v) and v >= 0, f"{w}.{name}", f"must be >= 0 and finite, got {v}")
+        require(self.clip_high is None or (math.isfinite(self.clip_high) and self.clip_high >= 0),
+                 f"{w}.clip_high", f"must be a finite number >= 0 or omitted (= clip_low), got {self.clip_high}")
+        require(math.isfinite(self.gate_threshold), f"{w}.gate_threshold",
+                 f"must be a finite number, got {self.gate_threshold} (leave gate_metric unset for no gate)")
         require(self.top_p <= 1.0, f"{w}.top_p", f"must be <= 1.0, got {self.top_p}")
         require(self.top_k >= 0 and self.warmup_iters >= 0 and self.eval_every >= 0,
                  w, "top_k, warmup_iters and eval_every must be >= 0")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 from dataclasses import dataclass, field
 
 from grpo_core.config import GRPOConfig, check_choice, from_dict, require
@@ -43,7 +45,7 @@ class SFTConfig:
 
     def __post_init__(self):
         require(self.steps >= 0 and self.batch_size >= 1, "sft", "steps >= 0 and batch_size >= 1")
-        require(self.lr > 0, "sft.lr", "must be > 0")
+        require(math.isfinite(self.lr) and self.lr > 0, "sft.lr", f"must be a finite number > 0, got {self.lr}")
 
 
 @dataclass
@@ -58,6 +60,14 @@ class EvalConfig:
     """Greedy generation cap."""
     batch_size: int = 64
     """Prompts per generate call."""
+
+    def __post_init__(self):
+        require(self.gsm8k_size >= -1, "evaluate.gsm8k_size",
+                 f"must be >= -1 (N items, 0 for all, -1 to skip GSM8K), got {self.gsm8k_size}")
+        require(self.arith_size >= 0, "evaluate.arith_size",
+                 f"must be >= 0 (N items, 0 to skip held-out arithmetic), got {self.arith_size}")
+        for name in ("max_new_tokens", "batch_size"):
+            require(getattr(self, name) >= 1, f"evaluate.{name}", f"must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass
@@ -76,6 +86,8 @@ class RegisterConfig:
     def __post_init__(self):
         check_choice(self.rule, ("significant", "better", "always"), "register.rule")
         check_choice(self.primary, ("gsm8k_test", "arith_holdout"), "register.primary")
+        require(math.isfinite(self.alpha) and 0 < self.alpha < 1, "register.alpha",
+                 f"must be a significance level strictly between 0 and 1 (e.g. 0.05), got {self.alpha}")
 
 
 @dataclass
@@ -112,6 +124,12 @@ class ComputeConfig:
     def __post_init__(self):
         check_choice(self.backend, ("local", "kubernetes"), "compute.backend")
         require(self.nproc_per_node >= 1, "compute.nproc_per_node", "must be >= 1")
+        for name in ("threads_per_proc", "cpu", "memory"):
+            require(getattr(self, name) >= 1, f"compute.{name}", f"must be >= 1, got {getattr(self, name)}")
+        require(self.gpu >= 0, "compute.gpu", f"must be >= 0 (0: CPU-only pods), got {self.gpu}")
+        for name in ("shared_memory", "disk"):
+            v = getattr(self, name)
+            require(v is None or v >= 1, f"compute.{name}", f"must be >= 1 (MiB) or omitted, got {v}")
         require(self.backend != "kubernetes" or self.gpu == 0 or self.nproc_per_node == self.gpu,
                  "compute.nproc_per_node", "must equal compute.gpu on kubernetes (one process per GPU)")
 
@@ -147,6 +165,17 @@ class PipelineConfig:
                      f"{cfg.prompts_per_iter} prompts cannot be split across {world} ranks "
                      f"(compute.nproc_per_node); use a multiple of {world}")
             setattr(self, stage, table)
+        if self.compute.backend == "kubernetes":
+            root = os.environ.get("GRPO_STORAGE_ROOT") or self.storage_root  # as pipeline.storage_root reads it
+            require(root.startswith("s3://"), "storage_root",
+                     f"{root!r} is not an s3:// URI, but compute.backend = 'kubernetes': each "
+                     "training pod would write its checkpoints to its own ephemeral disk, where later steps "
+                     "cannot find them; set storage_root to an s3://bucket/prefix the pods can reach")
+            servers = ("http://", "https://", "databricks")
+            require(self.tracking_uri is None or self.tracking_uri.startswith(servers),
+                     "tracking_uri", f"{self.tracking_uri!r} is not a tracking server, but compute.backend = "
+                     "'kubernetes': training pods cannot reach a file or sqlite store on this machine; set "
+                     "tracking_uri to the MLflow server's http(s):// URL (or databricks)")
         evaluated = {"gsm8k_test": self.evaluate.gsm8k_size >= 0, "arith_holdout": self.evaluate.arith_size > 0}
         require(evaluated[self.register.primary], "register.primary",
                  f"{self.register.primary!r} is not evaluated (evaluate.gsm8k_size = {self.evaluate.gsm8k_size}, "

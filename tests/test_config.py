@@ -1,4 +1,12 @@
-"""The config module against the code it configures."""
+"""The config module against the code it configures, and the range checks every table gets at load."""
+import math
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from grpo_core.config import ConfigError, GRPOConfig
+from grpo_core.pipeline_config import PipelineConfig, deep_merge
 
 
 def test_config_choices_are_exactly_what_the_math_accepts():
@@ -9,3 +17,112 @@ def test_config_choices_are_exactly_what_the_math_accepts():
 
     assert config.SCALES == algorithm.ADVANTAGE_SCALES == tuple(objective.SCALES)
     assert config.LOSS_TYPES == tuple(algorithm.LOSS_AGGREGATIONS)
+
+
+# ---------------------------------------------------------------- range checks at config load
+CONFIGS = Path(__file__).resolve().parents[1] / "flows" / "configs"
+K8S = {"storage_root": "s3://bucket/prefix", "compute": {"backend": "kubernetes"}}
+
+
+def _toml(name: str) -> dict:
+    with open(CONFIGS / name, "rb") as f:
+        return tomllib.load(f)
+
+
+@pytest.mark.parametrize("name", ["local.toml", "kubernetes.toml"])
+def test_shipped_configs_validate(name):
+    pc = PipelineConfig.from_dict(_toml(name))
+    assert pc.name == name.removesuffix(".toml")
+
+
+@pytest.mark.parametrize("patience", [0, -1])
+def test_gate_patience_below_one_is_refused(patience):
+    """0 would promote before the first measurement: the stage trains no iteration at all."""
+    with pytest.raises(ConfigError, match=rf"stage 'curriculum'\.gate_patience: must be >= 1, got {patience}"):
+        PipelineConfig.from_dict({"curriculum": {"gate_metric": "reward", "gate_patience": patience}})
+    with pytest.raises(ConfigError, match=r"gate_patience"):
+        GRPOConfig(model="m", gate_patience=patience)
+
+
+@pytest.mark.parametrize("override,match", [
+    ({"evaluate": {"batch_size": 0}}, r"evaluate\.batch_size: must be >= 1, got 0"),
+    ({"evaluate": {"max_new_tokens": 0}}, r"evaluate\.max_new_tokens: must be >= 1, got 0"),
+    ({"evaluate": {"arith_size": -1}}, r"evaluate\.arith_size: must be >= 0 .*got -1"),
+    ({"evaluate": {"gsm8k_size": -2}}, r"evaluate\.gsm8k_size: must be >= -1 .*-1 to skip GSM8K.*got -2"),
+    ({"register": {"alpha": 0}}, r"register\.alpha: must be .*strictly between 0 and 1"),
+    ({"register": {"alpha": 1.0}}, r"register\.alpha: must be .*strictly between 0 and 1"),
+    ({"register": {"alpha": -0.05}}, r"register\.alpha"),
+    ({"register": {"alpha": math.nan}}, r"register\.alpha: .*got nan"),
+    ({"register": {"alpha": math.inf}}, r"register\.alpha: .*got inf"),
+    ({"sft": {"lr": math.inf}}, r"sft\.lr: must be a finite number > 0, got inf"),
+    ({"curriculum": {"gate_metric": "reward", "gate_threshold": math.nan}},
+     r"stage 'curriculum'\.gate_threshold: must be a finite number, got nan"),
+    ({"gsm8k": {"gate_threshold": math.inf}}, r"stage 'gsm8k'\.gate_threshold: must be a finite number"),
+    ({"gsm8k": {"eval_max_new_tokens": -1}},
+     r"stage 'gsm8k'\.eval_max_new_tokens: must be >= 0 \(0 = max_new_tokens\)"),
+    ({"gsm8k": {"max_resample_rounds": -1}}, r"stage 'gsm8k'\.max_resample_rounds: must be >= 0"),
+    ({"curriculum": {"clip_high": math.inf}}, r"stage 'curriculum'\.clip_high: must be a finite number >= 0"),
+    ({"curriculum": {"clip_high": math.nan}}, r"stage 'curriculum'\.clip_high"),
+    ({"curriculum": {"max_grad_norm": math.inf}},
+     r"stage 'curriculum'\.max_grad_norm: must be >= 0 and finite, got inf"),
+    ({"curriculum": {"lr": math.nan}}, r"stage 'curriculum'\.lr: must be a finite number > 0, got nan"),
+    ({"compute": {"threads_per_proc": 0}}, r"compute\.threads_per_proc: must be >= 1, got 0"),
+    ({"compute": {"cpu": 0}}, r"compute\.cpu: must be >= 1, got 0"),
+    ({"compute": {"memory": -8192}}, r"compute\.memory: must be >= 1, got -8192"),
+    ({"compute": {"gpu": -1}}, r"compute\.gpu: must be >= 0"),
+    ({"compute": {"shared_memory": 0}}, r"compute\.shared_memory: must be >= 1 \(MiB\) or omitted, got 0"),
+    ({"compute": {"disk": -1}}, r"compute\.disk: must be >= 1 \(MiB\) or omitted, got -1"),
+])
+def test_out_of_range_values_name_the_field_and_fix(override, match):
+    with pytest.raises(ConfigError, match=match):
+        PipelineConfig.from_dict(override)
+
+
+def test_boundary_values_are_accepted():
+    pc = PipelineConfig.from_dict({
+        "evaluate": {"gsm8k_size": -1, "arith_size": 1, "max_new_tokens": 1, "batch_size": 1},
+        "register": {"alpha": 0.5, "primary": "arith_holdout"},
+        "compute": {"threads_per_proc": 1, "cpu": 1, "memory": 1, "gpu": 0, "shared_memory": 1, "disk": 1},
+        "curriculum": {"gate_metric": "reward", "gate_threshold": -0.5, "gate_patience": 1,
+                       "eval_max_new_tokens": 0, "max_resample_rounds": 0, "clip_high": 0.28},
+    })
+    assert pc.evaluate.gsm8k_size == -1 and pc.compute.disk == 1
+    assert pc.stage("curriculum", model="m").gate_patience == 1
+
+
+@pytest.mark.parametrize("root", [".grpo/artifacts", "/mnt/shared/artifacts", "gs://bucket/prefix", "file:///x"])
+def test_kubernetes_needs_s3_storage(root):
+    """A local storage_root on Kubernetes: each pod checkpoints to its own ephemeral disk and the
+    next step finds nothing."""
+    with pytest.raises(ConfigError, match=r"storage_root: .*compute\.backend = 'kubernetes'.*ephemeral disk"
+                                          r".*set storage_root to an s3://"):
+        PipelineConfig.from_dict({**K8S, "storage_root": root})
+
+
+@pytest.mark.parametrize("uri", ["sqlite:///mlflow.db", "file:///tmp/mlruns", "mlruns"])
+def test_kubernetes_needs_a_reachable_tracking_server(uri):
+    with pytest.raises(ConfigError, match=r"tracking_uri: .*compute\.backend = 'kubernetes'.*http\(s\)://"):
+        PipelineConfig.from_dict({**K8S, "tracking_uri": uri})
+
+
+@pytest.mark.parametrize("uri", [None, "http://mlflow:5000", "https://mlflow.example.com", "databricks"])
+def test_kubernetes_tracking_uri_servers_or_unset_are_accepted(uri):
+    """Unset is resolved from MLFLOW_TRACKING_URI at run start (checked there, not here)."""
+    pc = PipelineConfig.from_dict({**K8S, **({"tracking_uri": uri} if uri else {})})
+    assert pc.tracking_uri == uri
+
+
+def test_local_backend_keeps_local_storage_and_sqlite():
+    pc = PipelineConfig.from_dict({"tracking_uri": "sqlite:///x.db"})
+    assert pc.storage_root == ".grpo/artifacts"
+
+
+def test_kubernetes_config_without_resources_gets_the_defaults():
+    """What flows/compute.py builds @kubernetes from: the validated compute table, defaults filled."""
+    cfg = _toml("kubernetes.toml")
+    for key in ("gpu", "cpu", "memory", "shared_memory", "disk"):
+        del cfg["compute"][key]
+    cfg = deep_merge(cfg, {"compute": {"nproc_per_node": 1}, "curriculum": {"prompts_per_iter": 64},
+                           "gsm8k": {"prompts_per_iter": 64}})
+    c = PipelineConfig.from_dict(cfg).compute
+    assert (c.gpu, c.cpu, c.memory, c.shared_memory, c.disk) == (0, 2, 8192, None, None)

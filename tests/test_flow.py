@@ -301,9 +301,10 @@ def test_a_step_that_fails_while_training_runs_stops_torchrun(tmp_path):
     train on, orphaned, writing into the step's scratch dir."""
     from grpo_core.config import GRPOConfig
     from grpo_core.pipeline import launch_stage
-    from tests.helpers import tiny_model_dir
 
-    model = tiny_model_dir(tmp_path / "model")
+    model = tmp_path / "model"  # built in a process of its own: this one has loaded metaflow's typing_extensions
+    subprocess.run([sys.executable, "-m", "grpo_core.models", "tiny", "--out", str(model)], check=True,
+                   capture_output=True, cwd=REPO)
     cfg = GRPOConfig(model=str(model), output_dir=str(tmp_path / "out"), iterations=100_000, save_every=100_000,
                      task="arithmetic", rewards=[{"fn": "grpo_core.rewards:target_char_fraction"}]).to_dict()
     seen = []
@@ -318,3 +319,16 @@ def test_a_step_that_fails_while_training_runs_stops_torchrun(tmp_path):
     stage_json = str(tmp_path / "out" / "stage.json")
     left = subprocess.run(["pgrep", "-f", stage_json], capture_output=True, text=True).stdout.split()
     assert seen[-1] > 0 and left == [], left
+
+
+def test_kubernetes_refuses_a_tracking_store_pods_cannot_reach(monkeypatch):
+    """No tracking_uri in the config and no MLFLOW_TRACKING_URI: start would open the launcher's
+    sqlite file, which training pods cannot reach; it stops before creating any run."""
+    from grpo_core.pipeline import open_tracking
+    from grpo_core.pipeline_config import PipelineConfig
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = PipelineConfig.from_dict({"storage_root": "s3://b/p", "compute": {"backend": "kubernetes", "gpu": 2,
+                                                                              "nproc_per_node": 2}})
+    with pytest.raises(RuntimeError, match=r"MLflow tracking URI is 'sqlite:.*training pods cannot reach"):
+        open_tracking(cfg, {}, "k8s")
