@@ -111,6 +111,10 @@ class GRPOConfig:
     """Reward functions: [{fn = 'package.module:function', weight = 1.0}] (code execution!)."""
     trust_remote_code: bool = False
     """Allow model code from the checkpoint; off unless you trust its source."""
+    disable_dropout: bool = True
+    """Zero the policy's and reference's dropout (as TRL's disable_dropout). With dropout on, sampling,
+    old-policy scoring and the update each see a different random network: ratios, clipping and KL
+    then measure dropout noise. Llama/Qwen2 have none; GPT-2-style checkpoints have 0.1."""
     group_size: int = 8
     """G: completions sampled per prompt; the group's mean/std is the baseline."""
     prompts_per_iter: int = 16

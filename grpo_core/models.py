@@ -177,6 +177,21 @@ def load_policy(name_or_path: str, *, trust_remote_code: bool = False, dtype: st
     return model, tok
 
 
+def disable_dropout(model) -> int:
+    """Set every dropout probability of ``model`` to 0: ``nn.Dropout`` modules, and the float
+    ``attention_dropout``/``dropout`` attributes transformers' attention modules read at forward
+    time. Returns how many were non-zero."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p:
+            module.p, changed = 0.0, changed + 1
+        for attr in ("attention_dropout", "dropout"):
+            if isinstance(getattr(module, attr, None), float) and getattr(module, attr):
+                setattr(module, attr, 0.0)
+                changed += 1
+    return changed
+
+
 def unwrap(model):
     """The bare model inside DDP, ``scoring.CompletionScorer`` (both keep it as ``.module``) and
     ``torch.compile`` (``._orig_mod``)."""

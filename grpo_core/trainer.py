@@ -26,7 +26,7 @@ from grpo_core.config import METRICS_FILE, ConfigError
 from grpo_core.data import PromptStream, eval_rows, train_rows
 from grpo_core.evaluate import greedy_results
 from grpo_core.health import divergence_alarm
-from grpo_core.models import load_policy, save_policy
+from grpo_core.models import disable_dropout, load_policy, save_policy
 from grpo_core.objective import objective_card
 from grpo_core.rewards import RewardSpec, combine_rewards, resolve_specs
 from grpo_core.rollout import generate_rollouts
@@ -60,6 +60,8 @@ class Trainer:
         self.metrics_path = self.out / METRICS_FILE  # one JSON line per iteration (rank 0)
         torch.manual_seed(cfg.seed)
         self.model, self.tok = load_policy(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        if cfg.disable_dropout:
+            disable_dropout(self.model)
         self.model.to(info.device).train()
         self.ref = None
         if cfg.beta > 0:  # the reference is always the stage's starting policy, also on resume

@@ -426,6 +426,27 @@ def test_the_validation_accuracy_says_how_many_items_it_is_over(tiny, tmp_path):
     assert "eval_n" not in rows[0] and rows[1]["eval_n"] == available < 500
 
 
+def test_dropout_is_off_in_the_policy_unless_asked_for(tmp_path):
+    """A GPT-2-style checkpoint with dropout 0.1: by default two train-mode forwards agree (the
+    sampled, the old and the updated policy are one network); disable_dropout=false keeps it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from grpo_core.models import build_tiny
+
+    _, tok = build_tiny("llama", 16, 1, 2, seed=0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=128,
+                               resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, pad_token_id=tok.pad_token_id,
+                               eos_token_id=tok.eos_token_id)).save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    ids = torch.randint(3, len(tok), (2, 12))
+    for off, same in ((True, True), (False, False)):
+        trainer = _in_process_trainer(tmp_path / "gpt2", tmp_path / str(off), disable_dropout=off)
+        assert trainer.model.training
+        with torch.no_grad():
+            a, b = trainer.model(ids).logits, trainer.model(ids).logits
+        assert torch.equal(a, b) is same
+
+
 def test_torchrun_batch_scale_uses_the_std_over_all_ranks(tiny, tmp_path):
     """The two halves' reward stds (0.577, 0.479) differ from the whole batch's (0.496): a per-rank
     std would change the update, the all-reduced one leaves it equal to one process's."""
