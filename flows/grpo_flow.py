@@ -21,7 +21,7 @@ if all(os.environ.get(v, "root") == "root" for v in ("METAFLOW_USER", "USERNAME"
 
 from metaflow import Config, FlowSpec, card, current, step
 
-from compute import train_compute
+from compute import eval_compute, train_compute
 from grpo_core import pipeline
 from cards import stage_table_card, training_card, training_result
 from grpo_core.pipeline_config import PipelineConfig, parse_config_text
@@ -73,6 +73,7 @@ class GRPOFlow(FlowSpec):
                        ("gsm8k", self.gsm8k["model_uri"])]
         self.next(self.evaluate, foreach="stages")
 
+    @eval_compute
     @step
     def evaluate(self):
         """Greedy accuracy of one stage's checkpoint on the same held-out items."""

@@ -199,16 +199,16 @@ def _output_raw(root, *cfg_args, env_extra=None):
     return json.loads(out.stdout)["graph"]
 
 
-def test_kubernetes_config_puts_gpus_on_exactly_the_training_steps(tmp_path):
+def test_kubernetes_config_puts_gpus_on_exactly_the_training_and_evaluation_steps(tmp_path):
     graph = _output_raw(tmp_path, "--config", "cfg", K8S_CFG)
     with open(K8S_CFG, "rb") as f:
         compute = tomllib.load(f)["compute"]
     for name, node in graph.items():
         decos = {d["name"]: d["attributes"] for d in node.get("decorators", [])}
-        if name in TRAINING_STEPS:
+        if name in TRAINING_STEPS | {"evaluate"}:
             k = decos["kubernetes"]
-            assert int(k["gpu"]) == compute["gpu"] and k["image"] == compute["image"]
-            assert k["service_account"] == compute["service_account"]
+            assert int(k["gpu"]) == (compute["gpu"] if name in TRAINING_STEPS else 1), name
+            assert k["image"] == compute["image"] and k["service_account"] == compute["service_account"]
         else:
             assert "kubernetes" not in decos, name
 
@@ -218,7 +218,7 @@ def test_local_config_adds_no_kubernetes(tmp_path):
     assert all("kubernetes" not in {d["name"] for d in n.get("decorators", [])} for n in graph.values())
 
 
-def test_argo_spec_requests_gpus_only_for_training(tmp_path, s3_server):
+def test_argo_spec_requests_gpus_only_for_training_and_evaluation(tmp_path, s3_server):
     import boto3
 
     boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", **_creds()).create_bucket(Bucket="ci-bucket")
@@ -233,7 +233,8 @@ def test_argo_spec_requests_gpus_only_for_training(tmp_path, s3_server):
     res = {name: t["container"]["resources"] for name, t in templates.items()}
     for name in TRAINING_STEPS:
         assert res[name]["limits"]["nvidia.com/gpu"] == "4", res[name]
-    for name in ("start", "load_sft", "evaluate", "register", "end"):
+    assert res["evaluate"]["limits"]["nvidia.com/gpu"] == "1", res["evaluate"]
+    for name in ("start", "load_sft", "register", "end"):
         assert "nvidia.com/gpu" not in res[name].get("limits", {}), name
     assert templates["gsm8k_grpo"]["container"]["image"] == "ghcr.io/grpo-pipeline/grpo-train:0.1.0"
 
