@@ -202,26 +202,34 @@ def prune(ckpt_root: str | Path, keep: int) -> None:
 
 
 def stored_complete(uri: str) -> bool:
-    """``complete`` for a checkpoint in storage: on S3, its manifest (uploaded last) is there."""
+    """``complete`` for a checkpoint in storage: on S3, its manifest (uploaded last) parses, lists
+    the required files, and every file it lists is there with its recorded size."""
     if not storage.is_s3(uri):
         return complete(uri)
-    return storage.read_text(storage.join(uri, MANIFEST)) is not None
+    try:
+        manifest = json.loads(storage.read_text(storage.join(uri, MANIFEST)) or "null")
+        sizes = storage.s3_file_sizes(uri)
+        return isinstance(manifest, dict) and REQUIRED <= set(manifest) and all(
+            sizes.get(n) == m["size"] for n, m in manifest.items())
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
-def prune_stored(root_uri: str, keep: int) -> None:
-    """``prune`` for the copies in storage (a local dir or an S3 prefix): all but the newest
-    ``keep`` complete checkpoints go, and so do incomplete ones older than the newest complete
-    one (an upload cut short). keep=0 keeps everything."""
+def prune_stored(root_uri: str, keep: int, written: str) -> None:
+    """``prune`` for the copies in storage (a local dir or an S3 prefix), after ``written`` (a
+    checkpoint name) was uploaded: it and the newest older complete ones, ``keep`` in all, stay;
+    older ones go, incomplete ones too. Anything newer than ``written`` (a damaged leftover of an
+    earlier attempt) is neither counted nor deleted. keep=0 keeps everything."""
+    if not keep:
+        return
     if not storage.is_s3(root_uri):
         prune(root_uri, keep)
         return
-    if not keep:
-        return
     kept = 0
-    for name in sorted((n for n in storage.list_dirs(root_uri) if n.startswith(PREFIX)), reverse=True):
+    names = sorted((n for n in storage.list_dirs(root_uri) if n.startswith(PREFIX) and n <= written), reverse=True)
+    for name in names:
         uri = storage.join(root_uri, name)
-        if kept < keep and stored_complete(uri):
+        if name == written or (kept < keep and stored_complete(uri)):
             kept += 1
-        elif kept:  # never delete anything newer than the newest complete checkpoint
+        else:
             storage.delete_dir(uri)
-

@@ -212,13 +212,23 @@ def get_dir(uri: str, local_dir: str | Path) -> Path:
     return local_dir
 
 
-def _list_keys(client, bucket: str, prefix: str):
+def _list_objects(client, bucket: str, prefix: str):
     try:
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            for obj in page.get("Contents", []):
-                yield obj["Key"]
+            yield from page.get("Contents", [])
     except Exception as exc:
         raise _s3_error(exc, bucket, prefix) from exc
+
+
+def _list_keys(client, bucket: str, prefix: str):
+    for obj in _list_objects(client, bucket, prefix):
+        yield obj["Key"]
+
+
+def s3_file_sizes(uri: str) -> dict[str, int]:
+    """Size of every object under an S3 prefix, by its path relative to the prefix (one listing)."""
+    bucket, prefix = split_s3(uri)
+    return {o["Key"][len(prefix) + 1:]: o["Size"] for o in _list_objects(s3_client(), bucket, prefix + "/")}
 
 
 def list_dirs(uri: str) -> list[str]:

@@ -154,7 +154,10 @@ class Trainer:
             if self.cfg.sync_uri:
                 remote = storage.join(self.cfg.sync_uri, "checkpoints")
                 storage.put_dir(path, storage.join(remote, path.name))
-                checkpoint.prune_stored(remote, self.cfg.keep_checkpoints)
+                try:  # housekeeping: a bucket that refuses deletes must not stop training
+                    checkpoint.prune_stored(remote, self.cfg.keep_checkpoints, written=path.name)
+                except Exception as exc:
+                    warnings.warn(f"could not prune old checkpoints under {remote}: {exc}")
             checkpoint.prune(self.ckpt_dir, self.cfg.keep_checkpoints)
             self.tracker.flush()  # commit point: metrics up to here are now durable
         dist.barrier()
@@ -378,8 +381,10 @@ class Trainer:
         if self.info.is_main:
             card = objective_card(c, self.info.world_size)
             storage.atomic_write_text(self.out / "objective.json", json.dumps(card, indent=1))
+            # only those the run lacks: a rerun of the step (even one that restarts at 0) reuses the
+            # run, whose output_dir and other runtime params MLflow refuses to change
             self.tracker.log_params({**c.to_dict(), **{f"objective.{k}": v for k, v in card.items()}},
-                                    if_absent=start > 0)
+                                    if_absent=True)
             self.tracker.log_artifact(str(self.out / "objective.json"))
         # a checkpoint written when the gate fired ends the stage: resuming from it (a crash while
         # saving the final model) must not train on past the gate

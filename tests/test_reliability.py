@@ -348,17 +348,20 @@ def test_s3_folder_markers_are_not_files(s3, tmp_path):
 
 
 def test_s3_checkpoints_are_pruned_like_local_ones(s3, tmp_path):
-    """keep=2: the newest two complete copies stay, older ones and an older cut-short upload go;
-    an incomplete copy newer than the newest complete one (an upload in flight) is never touched."""
+    """keep=2 after ckpt 9 was written: 9 and the newest older complete copy (8) stay; older ones
+    and a cut-short upload (4, no manifest) go. A damaged leftover newer than 9 (10: manifest there,
+    weights lost) is not complete, not counted and not touched, so it can never push 8 and 9 out."""
     root = "s3://ckpts/prune/checkpoints"
-    for it in (2, 4, 6, 8, 10):
+    for it in (2, 4, 6, 8, 10, 9):
         _put_checkpoint(tmp_path, root, it)
     s3.delete_object(Bucket="ckpts", Key="prune/checkpoints/ckpt-000004/manifest.json")
-    s3.delete_object(Bucket="ckpts", Key="prune/checkpoints/ckpt-000010/manifest.json")
-    checkpoint.prune_stored(root, 2)
-    assert storage.list_dirs(root) == ["ckpt-000006", "ckpt-000008", "ckpt-000010"]
-    assert checkpoint.stored_complete(storage.join(root, "ckpt-000008"))
+    s3.delete_object(Bucket="ckpts", Key="prune/checkpoints/ckpt-000010/model.safetensors")
     assert not checkpoint.stored_complete(storage.join(root, "ckpt-000010"))
+    checkpoint.prune_stored(root, 2, written="ckpt-000009")
+    assert storage.list_dirs(root) == ["ckpt-000008", "ckpt-000009", "ckpt-000010"]
+    assert checkpoint.stored_complete(storage.join(root, "ckpt-000008"))
+    found = checkpoint.latest([root], tmp_path / "scratch")
+    assert found is not None and found.name.endswith("ckpt-000009")
 
 
 def test_s3_transient_connection_resets_are_retried(s3, moto, tmp_path, monkeypatch):
