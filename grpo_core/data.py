@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 from pathlib import Path
 
 import torch
@@ -157,13 +158,13 @@ def _fmt(x) -> str:
 
 
 def dataset_digest(source: str, split: str) -> str:
-    """A content digest for lineage: sha256 of the local file, else the hub id + split."""
-    files = _gsm8k_files(source) if not source.startswith("arith") else None
-    if files and split in files:
-        h = hashlib.sha256(Path(files[split]).read_bytes()).hexdigest()
-    else:
-        h = hashlib.sha256(f"{source}:{split}".encode()).hexdigest()
-    return h[:16]
+    """A content digest for lineage: sha256 of the split's rows in order (question, reasoning, gold),
+    so the same data read from the hub or from a local copy has the same digest (the registry
+    compares models item by item only on equal digests) and any changed row changes it."""
+    h = hashlib.sha256()
+    for r in load_gsm8k(source, split):
+        h.update(json.dumps([r["prompt"], r["think"], r["gold"]]).encode() + b"\n")
+    return h.hexdigest()[:16]
 
 
 def arithmetic_digest(ops: str, lo: int, hi: int, split: str) -> str:
