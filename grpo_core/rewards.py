@@ -4,13 +4,14 @@ The final answer of a completion is read, in order of priority, from
   1. ``<answer>...</answer>`` tags (all closed tags must agree: two different answers are wrong),
   2. whichever comes later in the text of
      - the last ``#### N`` line whose rest is a number (GSM8K style). Markdown headings are skipped:
-       a number followed by ``.``/``)``/``:`` and text (``#### 2. Compute``, ``#### 3) Answer``) or by
-       a capitalised word (``#### 2 Final Answer``); ``#### 18.``, ``#### 18 apples``, ``#### $1,234`` count;
+       a number followed by ``.``/``)``/``:`` and text (``#### 2. Compute``, ``#### 3) Answer``);
+       ``#### 18.``, ``#### 18 apples``, ``#### 18 USD``, ``#### $1,234`` count;
      - the last ``\\boxed{...}`` holding a number,
   3. the last number in the text.
 Numbers are exact ``fractions.Fraction`` values. Accepted forms: ``$``, ``%``, units, thousands commas
 (also the LaTeX ``1{,}000``, ``1,\\!000``, ``1\\,000``, ``1\\!000``, ``1\\ 000``), decimals, ``a/b`` and
-``\\frac{a}{b}``, mixed numbers (``2 1/2`` and ``2\\frac{1}{2}`` are 5/2; ``-2 1/2`` is -5/2) and
+``\\frac{a}{b}``, mixed numbers (``2 1/2`` and ``2\\frac{1}{2}`` are 5/2; ``-2 1/2`` is -5/2; the whole part
+has 1-3 digits or thousands commas, the fraction is proper: ``in 2023 1/4`` and ``4 12/2`` are two numbers) and
 scientific notation with at most 3 exponent digits (``1.5e6``). ``12,5`` is not a decimal comma: it reads as 5.
 An integer gold is matched with an absolute tolerance of 1e-6 (so 1,449,999 is not 1,450,000); any other
 gold with a relative tolerance of 1e-6 * max(1, |gold|).
@@ -43,20 +44,22 @@ FLOAT32_MAX = 3.4028234663852886e38  # largest finite float32: rewards become a 
 MAX_NUMBER_CHARS = 64  # longer digit strings are rejected, not converted (int() on 200k digits is slow)
 
 _OPEN, _CLOSE, _BOXED = "<answer>", "</answer>", "\\boxed{"
-# sign (not after a word char or ')'), then either a mixed number "2 1/2" (integer, ONE space, a/b) or
+# sign (not after a word char or ')'), then either a mixed number "2 1/2" (1-3 digits or ",ddd" groups, ONE space,
+# a/b; an improper a/b is read alone in _to_fraction) or
 # digits with ",ddd" groups and decimals, or ".5"; an optional exponent "e-3" (1-3 digits); optional "/den".
 # No nested quantifiers (only the fixed-width ",ddd" group repeats), so matching stays linear.
 _NUMBER = re.compile(
     r"(?:(?<![\w)])[-\u2212]\$?)?"
-    r"(?:\d+(?:,\d{3}(?!\d))* \d+/\d+"
+    r"(?:\d{1,3}(?:,\d{3}(?!\d))* \d+/\d+"
     r"|(?:\d+(?:,\d{3}(?!\d))*(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d{1,3}(?!\d))?(?:/\d+)?)",
     re.ASCII,
 )
 _FRAC = re.compile(r"\\d?frac\{([-\d.,]+)\}\{([-\d.,]+)\}", re.ASCII)  # \frac{1}{2} -> 1/2
 # LaTeX thousands separators between a digit and exactly three digits: 1{,}000 1,\!000 1\,000 1\!000 1\ 000
 _LATEX_SEP = re.compile(r"(?<=\d)(?:\{,\}|,\\!|\\[,! ])(?=\d{3}(?!\d))", re.ASCII)
-# what follows the number of a markdown heading "#### 2. Compute", "#### 3) **Answer**", "#### 2 Final Answer"
-_HEADING_REST = re.compile(r"\s*[.):]\s*[*_`]*[^\W\d_]|\s+[*_`]*[A-Z]")
+# what follows the number of a markdown heading "#### 2. Compute", "#### 3) **Answer**" (a capitalised
+# word alone is not enough: "#### 18 USD", "#### 18 Dollars" are answers with units)
+_HEADING_REST = re.compile(r"\s*[.):]\s*[*_`]*[^\W\d_]")
 _DIGIT = re.compile(r"\d", re.ASCII)
 
 
@@ -82,6 +85,8 @@ def _to_fraction(token: str) -> Fraction | None:
     if den and int(den) == 0:
         return None
     value = Fraction(num) / (Fraction(den) if den else 1)
+    if whole and value >= 1:  # "so 4 12/2": two numbers, not a mixed one; the last is the fraction
+        return value
     return sign * (Fraction(whole) + value if whole else value)
 
 

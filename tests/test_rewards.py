@@ -375,7 +375,6 @@ def test_docstring_examples():
         "#### 2. Final Answer\nThe total is 18.",
         "#### 3) Answer\n\\boxed{18}",
         "#### 4: Result\n6 * 3 = 18",
-        "#### 2 Final Answer\nThe total is 18.",  # a number then a capitalised word
         "#### 2.Compute\n18",
         "#### 2. **Compute**\n\\boxed{18}",
         "#### 1.5. Check\n18",
@@ -395,6 +394,8 @@ def test_hash_numbered_heading_is_not_an_answer(completion):
         ("work\n#### $1,234", "$1,234", 1234),
         ("work\n#### -3.5", "-3.5", Fraction(-7, 2)),
         ("#### 2. Plan\n#### 18", "18", 18),  # the last #### line that is an answer
+        ("#### 18 Dollars\nThat's 2 more than last week.", "18 Dollars", 18),  # capitalised units
+        ("#### 18 USD\n(6 items at $3 each)", "18 USD", 18),
     ],
 )
 def test_hash_number_lines_still_count(completion, expected, gold):
@@ -474,6 +475,8 @@ def test_latex_thousands_separators(sep):
         ("2\t1/2", Fraction(1, 2)),
         ("2.5 1/2", Fraction(1, 2)),  # the whole part is an integer
         ("2 1/0", None),
+        ("In 2023 1/4 of the people", Fraction(1, 4)),  # a year, then a fraction: not mixed
+        ("so 4 12/2", Fraction(6)),  # an improper fraction after a number: two numbers
         ("\\frac{1}{2}", Fraction(1, 2)),
         ("x\\frac{1}{2}", Fraction(1, 2)),
     ],
