@@ -160,6 +160,10 @@ def register_model(uri: str, run_id: str, model_dir: str, name: str = "grpo-gsm8
             champ = _champion(client, name)  # another registration may have moved it meanwhile:
             if (None if champ is None else int(champ.version)) == result["champion_version"]:
                 break  # decide again, against the version this one would replace
+        else:  # @champion kept moving: never promote on a comparison with a stale champion
+            result.update(decision="challenger", reason=f"@champion moved during each of {MAX_DECISIONS} "
+                          "decisions (concurrent registrations); not promoted, compare again later")
+            _tag_version(client, name, version, eval_items, result)
     if superseded_by is None:
         _apply_aliases(client, name, version, result)
     else:  # re-applying the stored decision would take champion back without a comparison
