@@ -85,6 +85,10 @@ def dataset_identities(cfg: PipelineConfig) -> dict:
 
     cur = cfg.stage("curriculum", model="-")
     src = gsm8k_source(cfg.gsm8k.get("gsm8k_source", "openai/gsm8k"))
+    if cfg.compute.backend == "kubernetes" and Path(src).is_dir():
+        from grpo_core.tracking import warn
+        warn(f"GSM8K is read from {src}, a directory on this machine; training and evaluation pods read "
+             "the same path and fail unless their image holds the data there. Unset GSM8K_DIR to use the hub.")
     try:
         n_train = len(gsm8k_rows(src, "train"))
     except Exception as exc:
@@ -193,15 +197,15 @@ def launch_stage(stage_cfg: dict, nproc: int, threads: int, on_progress=None, po
     env = {**os.environ, "OMP_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(CODE_DIR), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(torchrun_command(str(stage_json), nproc), env=env)
+    report = _ProgressReport(on_progress, out)
     try:
         while True:
             try:
                 rc = proc.wait(timeout=poll_s)
                 break
             except subprocess.TimeoutExpired:
-                if on_progress:
-                    on_progress(read_metrics(out))
-    finally:  # the step failing here (a card that cannot render, Ctrl-C) must not leave torchrun training
+                report()
+    finally:  # the step failing here (Ctrl-C, the task killed) must not leave torchrun training, orphaned
         if proc.poll() is None:
             proc.terminate()
             try:
@@ -212,9 +216,27 @@ def launch_stage(stage_cfg: dict, nproc: int, threads: int, on_progress=None, po
         _mark_failed(stage_cfg.get("tracking_uri"), stage_cfg.get("tracking_run_id"))
         raise RuntimeError(f"stage {stage_cfg['stage']} failed: torchrun exited with {rc} "
                            "(see the rank logs above); `resume` continues from its last checkpoint")
-    if on_progress:
-        on_progress(read_metrics(out))
+    report()
     return json.loads((out / "summary.json").read_text())
+
+
+class _ProgressReport:
+    """Calls ``on_progress`` with the metrics so far. It is a view (the live card): one that fails
+    warns once and is skipped, training and the step go on (Ctrl-C still stops them)."""
+
+    def __init__(self, on_progress, out: Path):
+        self.on_progress, self.out, self.failed = on_progress, out, False
+
+    def __call__(self) -> None:
+        if not self.on_progress:
+            return
+        try:
+            self.on_progress(read_metrics(self.out))
+        except Exception as exc:
+            if not self.failed:
+                from grpo_core.tracking import warn
+                warn(f"live progress update failed ({type(exc).__name__}: {exc}); training goes on")
+            self.failed = True
 
 
 def _mark_failed(tracking_uri: str | None, run_id: str | None) -> None:
