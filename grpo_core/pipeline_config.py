@@ -166,11 +166,13 @@ class PipelineConfig:
                      f"(compute.nproc_per_node); use a multiple of {world}")
             setattr(self, stage, table)
         if self.compute.backend == "kubernetes":
-            root = os.environ.get("GRPO_STORAGE_ROOT") or self.storage_root  # as pipeline.storage_root reads it
-            require(root.startswith("s3://"), "storage_root",
+            env_root = os.environ.get("GRPO_STORAGE_ROOT")  # overrides storage_root, as pipeline.storage_root
+            root, field = (env_root, "GRPO_STORAGE_ROOT (environment)") if env_root else (self.storage_root,
+                                                                                          "storage_root")
+            require(root.startswith("s3://"), field,
                      f"{root!r} is not an s3:// URI, but compute.backend = 'kubernetes': each "
                      "training pod would write its checkpoints to its own ephemeral disk, where later steps "
-                     "cannot find them; set storage_root to an s3://bucket/prefix the pods can reach")
+                     f"cannot find them; set {field.split()[0]} to an s3://bucket/prefix the pods can reach")
             servers = ("http://", "https://", "databricks")
             require(self.tracking_uri is None or self.tracking_uri.startswith(servers),
                      "tracking_uri", f"{self.tracking_uri!r} is not a tracking server, but compute.backend = "

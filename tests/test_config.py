@@ -24,6 +24,13 @@ CONFIGS = Path(__file__).resolve().parents[1] / "flows" / "configs"
 K8S = {"storage_root": "s3://bucket/prefix", "compute": {"backend": "kubernetes"}}
 
 
+@pytest.fixture(autouse=True)
+def _no_storage_root_override(monkeypatch):
+    """GRPO_STORAGE_ROOT overrides storage_root at validation: one exported in the shell running the
+    tests would turn the Kubernetes storage checks below into tests of the environment."""
+    monkeypatch.delenv("GRPO_STORAGE_ROOT", raising=False)
+
+
 def _toml(name: str) -> dict:
     with open(CONFIGS / name, "rb") as f:
         return tomllib.load(f)
@@ -97,6 +104,16 @@ def test_kubernetes_needs_s3_storage(root):
     with pytest.raises(ConfigError, match=r"storage_root: .*compute\.backend = 'kubernetes'.*ephemeral disk"
                                           r".*set storage_root to an s3://"):
         PipelineConfig.from_dict({**K8S, "storage_root": root})
+
+
+def test_kubernetes_storage_check_reads_the_environment_override(monkeypatch):
+    """GRPO_STORAGE_ROOT wins over storage_root at run time, so it is what the check must read."""
+    monkeypatch.setenv("GRPO_STORAGE_ROOT", "/tmp/artifacts")
+    with pytest.raises(ConfigError, match=r"GRPO_STORAGE_ROOT \(environment\): '/tmp/artifacts' is not an s3://"
+                                          r".*set GRPO_STORAGE_ROOT to an s3://"):
+        PipelineConfig.from_dict(K8S)
+    monkeypatch.setenv("GRPO_STORAGE_ROOT", "s3://other/prefix")
+    assert PipelineConfig.from_dict({**K8S, "storage_root": ".grpo/artifacts"}).compute.backend == "kubernetes"
 
 
 @pytest.mark.parametrize("uri", ["sqlite:///mlflow.db", "file:///tmp/mlruns", "mlruns"])
