@@ -99,11 +99,12 @@ def dataset_identities(cfg: PipelineConfig) -> dict:
     arith = (cur.arith_ops, cur.arith_min, cur.arith_max)
     arith_src = "arithmetic:{}:{}..{}".format(*arith)
     slice_ = f"{GSM8K_VALIDATION_PERCENT}% of the train split by question hash"
+    train_digest = dataset_digest(src, "train")  # of the whole split: train and validation are fixed slices of it
     return {
         "gsm8k_train": {"source": src, "split": f"train (less the validation {slice_})",
-                        "digest": dataset_digest(src, "train"), "rows": n_train},
+                        "digest": train_digest, "rows": n_train},
         "gsm8k_validation": {"source": src, "split": f"validation ({slice_}; never trained on)",
-                             "digest": dataset_digest(src, "train")},
+                             "digest": train_digest},
         "gsm8k_test": {"source": src, "split": "test", "digest": dataset_digest(src, "test")},
         "arith_train": {"source": arith_src, "split": "train", "digest": arithmetic_digest(*arith, "train")},
         "arith_validation": {"source": arith_src, "split": "validation",

@@ -73,3 +73,28 @@ def test_sft_rows_too_long_lose_reasoning_never_the_answer_or_the_stop():
         target = tok.decode(ids[plen:-1])
         assert target.startswith("<think>") and target.endswith(f"</think><answer>{row['gold']}</answer>")
     assert tok.decode(out[0][0][out[0][1]:-1]) == "<think>1+2=3</think><answer>3</answer>"  # short rows whole
+
+
+def test_gsm8k_digest_is_of_the_rows_not_of_the_file_or_its_name(tmp_path):
+    """The registry compares two models item by item only when their test data digests agree: a
+    copy of the same rows (hub or local, any formatting, any path) must agree, a changed row not."""
+    import json
+
+    from grpo_core.data import dataset_digest
+
+    rows = [{"question": f"Tom has {n} apples and eats 1. How many are left?",
+             "answer": f"{n} - 1 = {n - 1}\n#### {n - 1}"} for n in range(2, 8)]
+
+    def write(name, lines):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "test.jsonl").write_text("\n".join(lines) + "\n")
+        return str(d)
+
+    compact = write("a", [json.dumps(r) for r in rows])
+    spaced = write("b", [json.dumps({"answer": r["answer"], "question": r["question"], "extra": 1}, indent=None,
+                                    separators=(" , ", " : ")) for r in rows])
+    changed = write("c", [json.dumps({**r, "answer": r["answer"].replace("#### 6", "#### 7")}) for r in rows])
+    assert dataset_digest(compact, "test") == dataset_digest(spaced, "test")
+    assert dataset_digest(compact, "test") != dataset_digest(changed, "test")
+    assert dataset_digest(compact, "test") != dataset_digest(write("d", [json.dumps(r) for r in rows[::-1]]), "test")

@@ -174,6 +174,34 @@ def test_a_registration_landing_mid_decision_is_decided_against(sqlite_uri, mode
     assert aliases_by_version(client, name) == {3: ["champion"], 1: ["previous-champion"], 2: ["challenger"]}
 
 
+def test_a_champion_that_keeps_moving_leaves_the_version_challenger(sqlite_uri, model_dir, monkeypatch):
+    """A better model lands during each of the MAX_DECISIONS decisions: the version was never
+    compared with the champion it would replace, so it stays challenger instead of taking
+    @champion on a stale comparison."""
+    import grpo_core.registry as registry
+    from mlflow import MlflowClient
+
+    name = "grpo-race-busy"
+    assert _register(sqlite_uri, model_dir, 10, name=name)["decision"] == "first"
+    decide, landed, busy = registry._decide_against_champion, [], []
+
+    def decide_while_others_register(*args, **kw):
+        result = decide(*args, **kw)
+        if not busy:  # the outer registration only; the landing ones decide unhindered
+            busy.append(None)
+            landed.append(_register(sqlite_uri, model_dir, 40 + 10 * len(landed), name=name))
+            busy.pop()
+        return result
+
+    monkeypatch.setattr(registry, "_decide_against_champion", decide_while_others_register)
+    v2 = _register(sqlite_uri, model_dir, 30, name=name)
+    assert [r["decision"] for r in landed] == ["promoted"] * registry.MAX_DECISIONS
+    assert v2["decision"] == "challenger" and "moved during each of 3 decisions" in v2["reason"]
+    client = MlflowClient(tracking_uri=sqlite_uri, registry_uri=sqlite_uri)
+    assert aliases_by_version(client, name)[landed[-1]["version"]] == ["champion"]
+    assert aliases_by_version(client, name)[v2["version"]] == ["challenger"]
+
+
 # ---------------------------------------------------------------- real server, artifacts in S3
 
 
