@@ -6,12 +6,14 @@
 ``single`` (one process) checks, on the device against CPU references:
   1. token_logprobs forward+backward (bf16 and fp32 logits) vs CPU float64;
   2. grpo_loss forward+backward (fp32) vs CPU float64; the decoder's sampler's frequencies;
-  3. one Trainer.update (tiny fp32 Llama) on the device vs the same update on CPU (gradients);
+  3. one Trainer.update (tiny fp32 Llama) on the device vs the same update on CPU (gradients), and
+     the update with precision = "bf16" (autocast) vs fp32 on the device (gradient cosine > 0.999);
   4. shared-prefix decoder vs transformers generate: greedy tokens equal (tiny fp32 model; the
      bf16 model's match rate is reported), shared-prefix scoring vs full forward (fp32: equal
      to 1e-4; bf16: reported);
 then times, on the big model: generation tokens/s (our decoder and generate), the reference
-forward, and the policy forward+backward+AdamW step, with MFU = FLOPs / time / peak, FLOPs =
+forward, and the policy forward+backward+AdamW step (bf16 weights; then fp32 weights under
+autocast, what ``precision = "bf16"`` trains with), with MFU = FLOPs / time / peak, FLOPs =
 3 x forward, forward = 2 x matmul params x tokens processed (+ 2 x d x V per scored position)
 + causal attention 4 x d x keys per query and layer. ``ddp`` (under torchrun, nproc = GPU count)
 checks an all_reduce and one DDP Trainer.update against the one-process gradient. Failures are
@@ -181,6 +183,15 @@ def correctness(dev, tmp: str, vocab: int) -> dict:
     ok, worst = close_grads(got[dev.type], got["cpu"])
     check("Trainer.update gradients, device vs CPU", ok, f"(worst rel diff {worst:.1e})")
     res["trainer_update_worst_rel_grad_diff"] = worst
+    # precision = "bf16" (autocast, float32 weights) on the device vs the fp32 update there
+    tr = trainer_for(model_dir, f"{tmp}/upd_bf16", dist.DistInfo(0, 1, 0, dev), group_size=8, precision="bf16")
+    tr.update(copy.deepcopy(batch))
+    bf16 = grads(tr.model)
+    flat = [torch.cat([d[k].flatten() for k in sorted(d)]) for d in (bf16, got[dev.type])]
+    cos = torch.nn.functional.cosine_similarity(*flat, dim=0).item()
+    check("Trainer.update precision=bf16 vs fp32 on the device", cos > 0.999 and all(
+        p.dtype == torch.float32 for p in tr.model.parameters()), f"(gradient cosine {cos:.6f})")
+    res["trainer_update_bf16_grad_cosine"] = cos
     # the shared-prefix decoder and scorer vs generate / full forward on the tiny fp32 model
     from grpo_core.models import load_policy
     model, tok = load_policy(model_dir)
@@ -277,17 +288,37 @@ def timings(dev, smoke: bool) -> dict:
 
     t_step, loss = timed(step, dev, reps)
     check("training step loss is finite", loss == loss and abs(loss) < 1e6, f"(loss {loss:.3g})")
+    # what the trainer runs with precision = "bf16": float32 weights and AdamW, autocast forward
+    del opt
+    model = model.float()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+    def step_autocast():
+        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
+            logp, _ = completion_logprobs(model, batch, 1.0, with_entropy=True)
+        loss, _ = grpo_loss(logp, logp.detach(), ref_logp, batch.advantages, m, beta=0.04, loss_type="dapo")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss.item()
+
+    t_amp, loss = timed(step_autocast, dev, reps)
+    check("autocast training step (fp32 weights) loss is finite", loss == loss and abs(loss) < 1e6, f"(loss {loss:.3g})")
     flops = flops_per_step(shape, N, G, P, T)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     peak = float(os.environ.get("GPU_PEAK_TFLOPS", 0)) * 1e12 or next(
         (v for k, v in PEAK_BF16.items() if k in name), None)
     res.update(ref_forward_s=t_ref, train_step_s=t_step, train_step_flops=flops, device_name=name,
                peak_bf16_flops=peak, train_tflops=flops / t_step / 1e12,
-               mfu=(flops / t_step / peak) if peak else None,
+               mfu=(flops / t_step / peak) if peak else None, train_step_autocast_s=t_amp,
+               mfu_autocast=(flops / t_amp / peak) if peak else None,
                peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None)
     print(f"  reference forward {t_ref:.3f} s; policy fwd+bwd+AdamW {t_step:.3f} s = "
           f"{flops / t_step / 1e12:.1f} TFLOP/s" + (f", MFU {res['mfu']:.1%} of {peak / 1e12:.0f}" if peak else ""),
           flush=True)
+    print(f"  the same step with precision=bf16 (fp32 weights + AdamW, autocast): {t_amp:.3f} s = "
+          f"{flops / t_amp / 1e12:.1f} TFLOP/s" + (f", MFU {res['mfu_autocast']:.1%}" if peak else ""), flush=True)
     return res
 
 

@@ -20,6 +20,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 SCALES = ("group", "batch", "none")
 TASKS = ("arithmetic", "gsm8k")
 SAMPLERS = ("inverse_cdf", "multinomial")
+PRECISIONS = ("fp32", "bf16")
 GATE_METRICS = ("eval_accuracy", "informative_frac", "reward")
 METRICS_FILE = "metrics.jsonl"  # in a stage's output_dir: one JSON line per iteration (trainer writes, pipeline reads)
 DEFAULT_REWARDS = ({"fn": "grpo_core.rewards:gsm8k_correctness", "weight": 1.0},)
@@ -162,6 +163,13 @@ class GRPOConfig:
     """torch.compile (dynamic shapes) the policy and reference forwards that score completions for
     the loss (not the decoder). Pays on long runs: fwd+bwd 0.78x at the t64 bench shape on one CPU
     thread, but the first iterations compile (~50 s on 2 CPU cores), in every training process."""
+    precision: str = "fp32"
+    """Matmul precision of rollouts, scoring, the update and in-stage evaluation: fp32 | bf16
+    (torch.autocast to bfloat16 with float32 weights, AdamW state, log-softmax and loss math:
+    TRL/accelerate's ``bf16=True``). bf16 is for GPUs with bfloat16 tensor cores (A100, H100, ...);
+    on CPU the casts cost more than they save at small sizes (decoding a hidden-128 model took 1.4x
+    the fp32 time here, on a CPU with AMX). Sampling and scoring then both see bf16 logits (~1e-2
+    from fp32's); the on-policy ratio is still exactly 1 (mu = 1)."""
     reward_timeout_s: float = 300.0
     """Seconds one reward function may take for one batch before the stage stops with an error
     naming it (a hung verifier would otherwise stall every rank forever); 0 disables the limit.
@@ -224,6 +232,7 @@ class GRPOConfig:
         check_choice(self.loss_type, LOSS_TYPES, f"{w}.loss_type")
         check_choice(self.scale, SCALES, f"{w}.scale")
         check_choice(self.sampler, SAMPLERS, f"{w}.sampler")
+        check_choice(self.precision, PRECISIONS, f"{w}.precision")
         require(self.group_size >= 2, f"{w}.group_size", f"{self.group_size} < 2: a group needs at least "
                  "two samples for a baseline; set group_size >= 2")
         for name in ("prompts_per_iter", "iterations", "mu", "max_new_tokens", "save_every",

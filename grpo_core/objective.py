@@ -35,6 +35,8 @@ def objective_card(cfg, world_size: int) -> dict:
                     else ("logp.detach() (on-policy, mu = 1): the ratio is exactly 1 in value, so the "
                           "reported loss is ~beta*KL while its gradient is the policy gradient"),
         "updates_per_batch": cfg.mu,
+        "precision": "bf16 autocast (float32 weights, optimizer and loss math)" if cfg.precision == "bf16"
+                     else "fp32",
         "micro_batch_groups": cfg.micro_batch_groups or "all of a rank's groups (no accumulation)",
         "truncated_completions": "masked out of the loss" if cfg.mask_truncated else "kept",
         "dynamic_sampling": cfg.dynamic_sampling,

@@ -35,7 +35,8 @@ from grpo_core.stats import window_change
 from grpo_core.tracking import plot_curves, read_jsonl
 from grpo_core.tracking_logger import open_tracker
 from grpo_core.types import RolloutBatch
-from grpo_core.update_parts import MergedStats, compile_for_scoring, fused_adamw_ok, scored_without_grad, wrap_ddp
+from grpo_core.update_parts import (MergedStats, compile_for_scoring, fused_adamw_ok, precision_context,
+                                   scored_without_grad, wrap_ddp)
 
 LOGGED_AT = "logged_at_ms"  # metrics.jsonl: when the row's points were logged (their MLflow timestamp)
 MAX_NONFINITE_IN_A_ROW = 3  # consecutive skipped updates before the stage stops with an error
@@ -171,9 +172,10 @@ class Trainer:
         c = self.cfg
         rows = self._shard(self.stream.take(self.state["data_position"], n_prompts))
         self.state["data_position"] += n_prompts
-        batch = generate_rollouts(self.model, self.tok, rows, c.group_size, temperature=c.temperature,
-                                  top_p=c.top_p, top_k=c.top_k, max_new_tokens=c.max_new_tokens,
-                                  max_prompt_tokens=c.max_prompt_tokens, sampler=c.sampler)
+        with self._precision():
+            batch = generate_rollouts(self.model, self.tok, rows, c.group_size, temperature=c.temperature,
+                                      top_p=c.top_p, top_k=c.top_k, max_new_tokens=c.max_new_tokens,
+                                      max_prompt_tokens=c.max_prompt_tokens, sampler=c.sampler)
         t0 = time.perf_counter()
         cols = {k: v for k, v in batch.columns.items() if k not in ("id", "think")}
         total, parts = combine_rewards(self.rewards, batch.prompts, batch.completions, cols,
@@ -247,10 +249,11 @@ class Trainer:
         masks = [mask] if len(parts) == 1 else list(mask.split([len(p) for p in parts]))
         t0 = time.perf_counter()
         for part in parts:
-            if self.ref is not None:
-                part.ref_logp = scored_without_grad(self.ref_scorer, part, c.temperature)
-            if c.mu > 1:
-                part.old_logp = scored_without_grad(self.scorer, part, c.temperature)
+            with self._precision():
+                if self.ref is not None:
+                    part.ref_logp = scored_without_grad(self.ref_scorer, part, c.temperature)
+                if c.mu > 1:
+                    part.old_logp = scored_without_grad(self.scorer, part, c.temperature)
         self.timings["time_ref"] += time.perf_counter() - t0
         for _ in range(c.mu):
             self.opt.zero_grad(set_to_none=True)
@@ -258,7 +261,8 @@ class Trainer:
             for k, (part, pmask) in enumerate(zip(parts, masks)):
                 accumulate = k < len(parts) - 1 and isinstance(self.ddp, torch.nn.parallel.DistributedDataParallel)
                 with self.ddp.no_sync() if accumulate else contextlib.nullcontext():
-                    logp, ent = completion_logprobs(self.ddp, part, c.temperature, with_entropy=True)
+                    with self._precision():  # the forward only: backward follows autocast's forward dtypes
+                        logp, ent = completion_logprobs(self.ddp, part, c.temperature, with_entropy=True)
                     old = part.old_logp if part.old_logp is not None else logp.detach()
                     loss, stats = grpo_loss(
                         logp, old.to(dev), None if part.ref_logp is None else part.ref_logp.to(dev),
@@ -276,6 +280,9 @@ class Trainer:
             stats["grad_norm"] = self._step(stats["loss"])
         self.timings["time_update"] += time.perf_counter() - t0
         return stats
+
+    def _precision(self):
+        return precision_context(self.cfg.precision, self.info.device)
 
     def _step(self, loss: float) -> float:
         """Clip and apply the update, or skip it (and count) when anything is non-finite."""
@@ -337,8 +344,9 @@ class Trainer:
     def evaluate(self) -> float:
         """Greedy accuracy on the validation subset, sharded across ranks."""
         rows = self.eval_rows[self.info.rank::self.info.world_size]
-        res = greedy_results(self.model, self.tok, rows, max_new_tokens=self.cfg.eval_max_new_tokens
-                             or self.cfg.max_new_tokens, max_prompt_tokens=self.cfg.max_prompt_tokens)
+        with self._precision():
+            res = greedy_results(self.model, self.tok, rows, max_new_tokens=self.cfg.eval_max_new_tokens
+                                 or self.cfg.max_new_tokens, max_prompt_tokens=self.cfg.max_prompt_tokens)
         right, total = dist.all_reduce_sum([sum(r["correct"] for r in res), len(res)], self.info.device)
         return right / max(total, 1)
 

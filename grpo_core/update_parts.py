@@ -4,6 +4,8 @@ and old policy, the optimizer's kernel choice, and the statistics of an update s
 micro-batches."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from grpo_core import dist
@@ -36,6 +38,16 @@ def compile_for_scoring(model):
             "compile_scoring = false.") from e
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(model, dynamic=True)
+
+
+def precision_context(precision: str, device: torch.device):
+    """A fresh context manager for one forward (``GRPOConfig.precision``): bf16 is ``torch.autocast``
+    to bfloat16 on the device (matmuls and attention in bf16; weights, gradients, optimizer state and
+    the log-softmax/loss math stay float32, as ``token_logprobs`` upcasts logits); fp32 does nothing.
+    Backward runs outside it, as autocast wants."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def fused_adamw_ok(model) -> bool:

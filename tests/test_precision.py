@@ -1,0 +1,107 @@
+"""precision = "bf16": autocast rollouts, scoring and update with float32 weights and loss math.
+
+On CPU (torch's CPU autocast supports bfloat16), so the code path is exercised here; the GPU
+check (benchmarks/gpu_check.py) repeats the update comparison on a GPU.
+"""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo_core.config import ConfigError, GRPOConfig
+from grpo_core.train import load_config, main
+from tests.helpers import fixed_rollout_batch, stage_args, tiny_model_dir
+
+SEVENS = [{"fn": "grpo_core.rewards:target_char_fraction", "weight": 1.0}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _stage(tiny, out, **kw):
+    base = dict(model=str(tiny), output_dir=str(out), rewards=SEVENS, iterations=2, lr=3e-3, beta=0.04,
+                prompts_per_iter=4, group_size=4, save_every=2, max_new_tokens=12, mu=2)
+    return stage_args(**{**base, **kw})
+
+
+def test_precision_must_be_fp32_or_bf16():
+    with pytest.raises(ConfigError, match=r"stage 'grpo'\.precision: 'fp16' is not allowed; use one of fp32, bf16"):
+        GRPOConfig(precision="fp16")
+
+
+def _update(tiny, out, precision):
+    """One trainer's gradients and stats for the fixed batch (mu=2, beta > 0: reference and
+    old-policy scoring run too)."""
+    from grpo_core import dist
+    from grpo_core.trainer import Trainer
+
+    cfg = load_config(None, [a.removeprefix("--set=") for a in _stage(
+        tiny, out, precision=precision, max_grad_norm=0.0, lr=1e-7, max_new_tokens=7)])
+    trainer = Trainer(cfg, dist.init())
+    trainer.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
+    batch = fixed_rollout_batch(2)
+    batch.advantages = trainer.advantages(batch.rewards)
+    stats = trainer.update(batch)
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return trainer, grads, stats, batch
+
+
+def test_bf16_update_is_the_fp32_update_to_bfloat16_rounding(tiny, tmp_path):
+    """Same batch, same weights: the bf16 gradient points where the fp32 one does (cosine > 0.999
+    over all parameters) but is not bitwise equal (autocast did run), every parameter, gradient
+    and the reference log-probs stay float32, and the logged statistics agree to bf16 rounding."""
+    _, g32, s32, _ = _update(tiny, tmp_path / "fp32", "fp32")
+    trainer, g16, s16, batch = _update(tiny, tmp_path / "bf16", "bf16")
+    flat32, flat16 = torch.cat([g.flatten() for g in g32.values()]), torch.cat([g16[k].flatten() for k in g32])
+    cosine = torch.nn.functional.cosine_similarity(flat32, flat16, dim=0).item()
+    assert cosine > 0.999, cosine  # measured 0.99999
+    assert not torch.equal(flat32, flat16)  # autocast changed the arithmetic
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert all(g.dtype == torch.float32 for g in g16.values())
+    assert batch.ref_logp.dtype == torch.float32 and batch.old_logp.dtype == torch.float32
+    for key in ("kl", "entropy", "ratio_mean"):
+        assert s16[key] == pytest.approx(s32[key], rel=0.05, abs=2e-3), key
+
+
+def test_bf16_decoder_samples_what_bf16_scoring_scores(tiny):
+    """Under autocast the decoder's step logits and the scorer's log-probs are both bf16 matmuls:
+    they agree to bf16 rounding (fp32: 1e-4, tests/test_fast_rollout.py), not to fp32's."""
+    from grpo_core.decode import sample_shared_prefix
+    from grpo_core.models import load_policy
+    from grpo_core.rollout import completion_mask, encode_prompts
+    from grpo_core.scoring import completion_logprobs
+    from grpo_core.types import RolloutBatch
+
+    model, tok = load_policy(str(tiny))
+    ids, mask = encode_prompts(tok, ["12+3=", "7*8=", "100-1="], 64)
+    G, steps = 3, []
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        comp = sample_shared_prefix(model, ids, mask, G, max_new_tokens=10, eos_id=tok.eos_token_id,
+                                    pad_id=tok.pad_token_id, step_logits=steps).clone()
+        cmask, trunc = completion_mask(comp, tok.eos_token_id)
+        batch = RolloutBatch(ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), comp, cmask, trunc, G, [], [])
+        with torch.no_grad():
+            logp, _ = completion_logprobs(model, batch, 1.0)
+    sampled = torch.log_softmax(torch.stack(steps, 1), -1).gather(-1, comp[..., None])[..., 0]
+    assert logp.dtype == torch.float32
+    diff = (logp[cmask] - sampled[cmask]).abs().max().item()
+    assert diff < 0.1, diff
+    with torch.no_grad():
+        fp32, _ = completion_logprobs(model, batch, 1.0)
+    assert (fp32[cmask] - logp[cmask]).abs().max().item() > 1e-4  # the autocast path was taken
+
+
+def test_a_bf16_stage_trains_saves_float32_and_records_its_precision(tiny, tmp_path):
+    summary = main(_stage(tiny, tmp_path, precision="bf16", eval_every=1, eval_size=4))
+    assert summary["iterations_run"] == 2
+    rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for key in ("loss", "kl", "grad_norm", "entropy", "eval_accuracy"):
+        assert all(torch.isfinite(torch.tensor(r[key])) for r in rows), key
+    card = json.loads((tmp_path / "objective.json").read_text())
+    assert card["precision"].startswith("bf16 autocast")
+    saved = load_file(str(tmp_path / "final" / "model.safetensors"))
+    assert {t.dtype for t in saved.values()} == {torch.float32}
