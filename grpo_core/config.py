@@ -170,6 +170,12 @@ class GRPOConfig:
     on CPU the casts cost more than they save at small sizes (decoding a hidden-128 model took 1.4x
     the fp32 time here, on a CPU with AMX). Sampling and scoring then both see bf16 logits (~1e-2
     from fp32's); the on-policy ratio is still exactly 1 (mu = 1)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations during backward (transformers'
+    ``gradient_checkpointing_enable``, non-reentrant): the update keeps one layer's activations
+    instead of all of them, for about one more forward of compute. The update's forward then runs
+    prompt and completion together (as TRL does): a layer replayed in backward cannot share the
+    prompt's KV cache across the group. Sampling and the reference are unchanged."""
     reward_timeout_s: float = 300.0
     """Seconds one reward function may take for one batch before the stage stops with an error
     naming it (a hung verifier would otherwise stall every rank forever); 0 disables the limit.

@@ -177,6 +177,26 @@ def load_policy(name_or_path: str, *, trust_remote_code: bool = False, dtype: st
     return model, tok
 
 
+def enable_activation_checkpointing(model) -> None:
+    """transformers' layer-wise activation (gradient) checkpointing, non-reentrant (the reentrant
+    variant drops gradients of inputs passed by keyword). Raises ValueError for a model without it."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name is deprecated
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def activation_checkpointing(model) -> bool:
+    """Whether ``model`` (or the module a torch.compile wrapper holds) has checkpointing on."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(getattr(model, "_orig_mod", model)), name):
+            return bool(getattr(model, name))
+    return False
+
+
 def disable_dropout(model) -> int:
     """Set every dropout probability of ``model`` to 0: ``nn.Dropout`` modules, and the float
     ``attention_dropout``/``dropout`` attributes transformers' attention modules read at forward

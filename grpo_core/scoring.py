@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from grpo_core.algorithm import token_entropy, token_logprobs
 from grpo_core.decode import cache_kwarg, prefill
+from grpo_core.models import activation_checkpointing
 from grpo_core.types import RolloutBatch
 
 
@@ -128,6 +129,13 @@ class CompletionScorer(torch.nn.Module):
         return completion_logprobs(self.module, batch, temperature, with_entropy)
 
 
+def _replays_layers(model) -> bool:
+    """True when this forward will be recomputed layer by layer in backward (gradient checkpointing
+    in training mode with grad on). transformers' checkpointed layers then drop the KV cache
+    argument (or would write it twice on replay), so the shared prompt cache cannot be used."""
+    return activation_checkpointing(model) and model.training and torch.is_grad_enabled()
+
+
 def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_entropy: bool = False):
     """Per-token log-probs of the completion tokens [B, T] (and entropy [B, T] if asked).
 
@@ -142,7 +150,7 @@ def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_ent
         return model(batch, temperature, with_entropy)
     device = next(model.parameters()).device
     T, targets = batch.completion_ids.shape[1], batch.completion_ids.to(device)
-    if groups_share_prompts(batch) and not ddp:
+    if groups_share_prompts(batch) and not ddp and not _replays_layers(model):
         pieces = _shared_prefix_logits(model, batch, device)                           # [(rows, [b, L, V])]
     else:
         ids, attn, pos = forward_inputs(batch, device)

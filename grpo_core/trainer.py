@@ -26,7 +26,7 @@ from grpo_core.config import METRICS_FILE, ConfigError
 from grpo_core.data import PromptStream, eval_rows, train_rows
 from grpo_core.evaluate import greedy_results
 from grpo_core.health import divergence_alarm
-from grpo_core.models import disable_dropout, load_policy, save_policy
+from grpo_core.models import disable_dropout, enable_activation_checkpointing, load_policy, save_policy
 from grpo_core.objective import objective_card
 from grpo_core.rewards import RewardSpec, combine_rewards, resolve_specs
 from grpo_core.rollout import generate_rollouts
@@ -64,6 +64,11 @@ class Trainer:
         if cfg.disable_dropout:
             disable_dropout(self.model)
         self.model.to(info.device).train()
+        if cfg.gradient_checkpointing:
+            try:
+                enable_activation_checkpointing(self.model)
+            except ValueError as exc:
+                raise ConfigError(f"stage '{cfg.stage}'.gradient_checkpointing: {exc}; set it to false") from exc
         self.ref = None
         if cfg.beta > 0:  # the reference is always the stage's starting policy, also on resume
             self.ref, _ = load_policy(cfg.model, trust_remote_code=cfg.trust_remote_code)

@@ -10,7 +10,9 @@ advantage scale, computed by ``Trainer.advantages`` on each rank's shard. micro_
 rank0_groups (optional) gives rank 0 that many groups and rank 1 the rest (dynamic sampling leaves
 ranks with different numbers of groups); "last-rank-empty" (optional) takes the last rank's groups
 out of the loss (``loss_rows`` False), as dynamic sampling does on a rank left with nothing informative.
+A JSON object (optional, argument 10) adds GRPOConfig fields (e.g. gradient_checkpointing).
 """
+import json
 import sys
 
 import torch
@@ -28,6 +30,7 @@ micro_batch_groups = int(sys.argv[6]) if len(sys.argv) > 6 else 0
 groups = int(sys.argv[7]) if len(sys.argv) > 7 else 2
 rank0_groups = int(sys.argv[8]) if len(sys.argv) > 8 and int(sys.argv[8]) > 0 else None  # None: an even split
 last_rank_empty = len(sys.argv) > 9 and sys.argv[9] == "last-rank-empty"  # its groups out of the loss
+extra = json.loads(sys.argv[10]) if len(sys.argv) > 10 else {}
 shared_calls = []
 _shared = scoring._shared_prefix_logits
 scoring._shared_prefix_logits = lambda *a, **k: shared_calls.append(1) or _shared(*a, **k)
@@ -35,7 +38,7 @@ info = dist.init()
 cfg = GRPOConfig(model=model_dir, output_dir=out_file + ".d", loss_type=loss_type, beta=0.04, scale=scale,
                  lr=1e-2, group_size=4, prompts_per_iter=groups * info.world_size, max_grad_norm=0.0,  # unused:
                  # the batch below is fixed; the trainer only checks that prompts split across ranks
-                 micro_batch_groups=micro_batch_groups)
+                 micro_batch_groups=micro_batch_groups, **extra)
 trainer = Trainer(cfg, info)
 batch = fixed_rollout_batch(groups, shared_prompts=prompts == "shared")
 B = len(batch)

@@ -199,17 +199,28 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tiny, tmp_path):
 
 
 def _update(tiny, out, nproc, loss_type, prompts="shared", scale="group", micro_batch_groups=0, groups=2,
-            rank0_groups=0, last_rank_empty=False):
+            rank0_groups=0, last_rank_empty=False, **extra):
     script = str(REPO / "tests" / "ddp_update_check.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
            if nproc > 1 else [sys.executable, script])
     args = [str(tiny), str(out), loss_type, prompts, scale, str(micro_batch_groups), str(groups), str(rank0_groups),
-            "last-rank-empty" if last_rank_empty else "-"]
+            "last-rank-empty" if last_rank_empty else "-", json.dumps(extra)]
     run = subprocess.run(cmd + args, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"{' '.join(cmd[2:4])} exited {run.returncode}:\n{run.stderr[-6000:]}"
     grads = load_file(str(out))
     return grads, grads.pop("shared_prefix_calls").item()
+
+
+def test_torchrun_two_ranks_with_gradient_checkpointing_equal_the_plain_one_process_update(tiny, tmp_path):
+    """DDP around the scorer with layers replayed in backward (non-reentrant checkpointing): the
+    policy forward runs prompt and completion together, the reference keeps its shared prefix."""
+    one, _ = _update(tiny, tmp_path / "one.st", 1, "dapo")
+    two, two_calls = _update(tiny, tmp_path / "two.st", 2, "dapo", micro_batch_groups=1, gradient_checkpointing=True)
+    assert two_calls == 1  # the reference only
+    assert one.keys() == two.keys()
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-7, rtol=1e-4), k
 
 
 @pytest.mark.parametrize("prompts", ["shared", "mixed"])

@@ -1,4 +1,5 @@
-"""precision = "bf16": autocast rollouts, scoring and update with float32 weights and loss math.
+"""Memory and precision options of a stage: precision = "bf16" (autocast rollouts, scoring and
+update with float32 weights and loss math) and gradient_checkpointing.
 
 On CPU (torch's CPU autocast supports bfloat16), so the code path is exercised here; the GPU
 check (benchmarks/gpu_check.py) repeats the update comparison on a GPU.
@@ -32,14 +33,14 @@ def test_precision_must_be_fp32_or_bf16():
         GRPOConfig(precision="fp16")
 
 
-def _update(tiny, out, precision):
+def _update(tiny, out, precision, **kw):
     """One trainer's gradients and stats for the fixed batch (mu=2, beta > 0: reference and
     old-policy scoring run too)."""
     from grpo_core import dist
     from grpo_core.trainer import Trainer
 
     cfg = load_config(None, [a.removeprefix("--set=") for a in _stage(
-        tiny, out, precision=precision, max_grad_norm=0.0, lr=1e-7, max_new_tokens=7)])
+        tiny, out, precision=precision, max_grad_norm=0.0, lr=1e-7, max_new_tokens=7, **kw)])
     trainer = Trainer(cfg, dist.init())
     trainer.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
     batch = fixed_rollout_batch(2)
@@ -105,3 +106,26 @@ def test_a_bf16_stage_trains_saves_float32_and_records_its_precision(tiny, tmp_p
     assert card["precision"].startswith("bf16 autocast")
     saved = load_file(str(tmp_path / "final" / "model.safetensors"))
     assert {t.dtype for t in saved.values()} == {torch.float32}
+
+
+def test_gradient_checkpointing_gives_the_same_update(tiny, tmp_path):
+    """Layers recomputed in backward, the update forward runs prompt and completion together
+    (a replayed layer cannot share the prompt's KV cache): the same gradient as the default
+    shared-prefix update, to float rounding; the saved model's config is not changed by it."""
+    from grpo_core.scoring import _replays_layers
+
+    _, plain, s_plain, _ = _update(tiny, tmp_path / "plain", "fp32")
+    trainer, ckpt, s_ckpt, _ = _update(tiny, tmp_path / "ckpt", "fp32", gradient_checkpointing=True)
+    assert _replays_layers(trainer.model)
+    assert plain.keys() == ckpt.keys()
+    for k in plain:
+        assert torch.allclose(plain[k], ckpt[k], rtol=1e-4, atol=1e-7), k
+    for key in ("loss", "kl", "entropy", "ratio_mean"):
+        assert s_ckpt[key] == pytest.approx(s_plain[key], rel=1e-5, abs=1e-7), key
+
+
+def test_gradient_checkpointing_stage_saves_a_model_that_generates_with_its_cache(tiny, tmp_path):
+    main(_stage(tiny, tmp_path, gradient_checkpointing=True, precision="bf16"))
+    config = json.loads((tmp_path / "final" / "config.json").read_text())
+    assert config.get("use_cache", True) is True
+    assert "gradient_checkpointing" not in json.dumps(config)
