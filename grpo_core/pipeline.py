@@ -241,13 +241,17 @@ class _ProgressReport:
 
 
 def _mark_failed(tracking_uri: str | None, run_id: str | None) -> None:
-    """The failed stage's MLflow run shows FAILED (a ``resume`` sets it back to RUNNING)."""
+    """The failed stage's MLflow run and its parent (the pipeline run) show FAILED, not RUNNING
+    forever; a ``resume`` sets both back to RUNNING (``start_child_run``)."""
     if not (tracking_uri and run_id):
         return
-    from grpo_core.tracking import finish_run, warn
+    from grpo_core.tracking import finish_run, mlflow_client, warn
 
     try:
         finish_run(tracking_uri, run_id, "FAILED")
+        parent = mlflow_client(tracking_uri).get_run(run_id).data.tags.get("mlflow.parentRunId")
+        if parent:
+            finish_run(tracking_uri, parent, "FAILED")
     except Exception as exc:  # the stage's own error is what the user needs to see
         warn(f"could not mark run {run_id} FAILED: {exc}")
 

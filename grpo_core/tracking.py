@@ -145,10 +145,12 @@ def start_child_run(uri: str, parent_run_id: str, stage: str, tags: dict | None 
     """Return the child run for ``stage`` under the parent, creating it if absent.
 
     Idempotent so a resumed Metaflow step (new process, same parent id) reuses its run; a
-    reused run is set back to RUNNING.
+    reused run, and a parent a failed stage marked FAILED, are set back to RUNNING.
     """
     client = mlflow_client(uri)
     parent = client.get_run(parent_run_id)
+    if parent.info.status != "RUNNING":
+        client.update_run(parent_run_id, status="RUNNING")
     found = client.search_runs(
         [parent.info.experiment_id],
         filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.`grpo.stage` = '{stage}'",

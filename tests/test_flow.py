@@ -85,9 +85,16 @@ def crashed_and_resumed(tmp_path_factory):
     failed = run_flow(root, cfg, GRPO_FAIL_AT="gsm8k:3")
     assert failed.status == "failed", failed.stdout[-3000:]
     assert _child_runs(cfg, failed.run)["gsm8k"].info.status == "FAILED"  # not left RUNNING
+    assert _parent_run(cfg, failed.run).info.status == "FAILED"  # the pipeline run too
     resumed = run_flow(root, cfg, resume_from=failed.run.id)
     assert resumed.status == "successful", resumed.stderr[-5000:]
     return root, cfg, failed.run, resumed.run
+
+
+def _parent_run(cfg, run):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=cfg["tracking_uri"]).get_run(run["start"].task["ctx"].data.parent_run_id)
 
 
 def _child_runs(cfg, run) -> dict:

@@ -111,6 +111,8 @@ def test_parent_and_idempotent_child_runs(uri):
     assert not any(FAKE_SECRET in v or "hunter2" in v for v in tags.values())
     finish_run(uri, parent, "FAILED")
     assert client.get_run(parent).info.status == "FAILED"
+    start_child_run(uri, parent, "gsm8k")  # a resumed stage re-opens the pipeline run as well
+    assert client.get_run(parent).info.status == "RUNNING"
 
 
 def test_tracker_metrics_params_dataset_artifacts(uri, tmp_path, capsys):
