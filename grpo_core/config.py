@@ -21,6 +21,8 @@ SCALES = ("group", "batch", "none")
 TASKS = ("arithmetic", "gsm8k")
 SAMPLERS = ("inverse_cdf", "multinomial")
 PRECISIONS = ("fp32", "bf16")
+TINY_ARCHITECTURES = ("llama", "qwen2")  # models.ARCHITECTURES (config cannot import torch)
+FRACTION_METRICS = ("eval_accuracy", "informative_frac")  # gate metrics that never exceed 1
 GATE_METRICS = ("eval_accuracy", "informative_frac", "reward")
 METRICS_FILE = "metrics.jsonl"  # in a stage's output_dir: one JSON line per iteration (trainer writes, pipeline reads)
 DEFAULT_REWARDS = ({"fn": "grpo_core.rewards:gsm8k_correctness", "weight": 1.0},)
@@ -270,6 +272,9 @@ class GRPOConfig:
             check_choice(self.gate_metric, GATE_METRICS, f"{w}.gate_metric")
             require(self.gate_metric != "eval_accuracy" or self.eval_every > 0, f"{w}.gate_metric",
                      "'eval_accuracy' is measured only with eval_every > 0; set eval_every")
+            require(self.gate_metric not in FRACTION_METRICS or self.gate_threshold <= 1, f"{w}.gate_threshold",
+                     f"{self.gate_threshold} can never be reached: {self.gate_metric} is a fraction (at most 1), so "
+                     "the gate would never promote; use a threshold in [0, 1]")
         require(self.loss_type == "grpo" or self.mu >= 1, w, "mu must be >= 1")
         require(bool(self.rewards), f"{w}.rewards", "needs at least one {fn, weight} entry")
         for i, r in enumerate(self.rewards):

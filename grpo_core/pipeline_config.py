@@ -9,7 +9,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from grpo_core.config import GRPOConfig, check_choice, from_dict, require
+from grpo_core.config import TINY_ARCHITECTURES, GRPOConfig, check_choice, from_dict, require
 
 
 @dataclass
@@ -46,6 +46,18 @@ class SFTConfig:
     def __post_init__(self):
         require(self.steps >= 0 and self.batch_size >= 1, "sft", "steps >= 0 and batch_size >= 1")
         require(math.isfinite(self.lr) and self.lr > 0, "sft.lr", f"must be a finite number > 0, got {self.lr}")
+        if self.source != "bootstrap":  # the tiny model's fields are unused
+            return
+        check_choice(self.arch, TINY_ARCHITECTURES, "sft.arch")
+        for name in ("hidden", "layers", "heads"):
+            require(getattr(self, name) >= 1, f"sft.{name}", f"must be >= 1, got {getattr(self, name)}")
+        require(self.hidden % self.heads == 0 and (self.hidden // self.heads) % 2 == 0, "sft.heads",
+                 f"hidden {self.hidden} / heads {self.heads} must be an even whole head size (rotary "
+                 "embeddings rotate pairs); e.g. hidden = 64, heads = 4")
+        require(self.arith_min <= self.arith_max, "sft.arith_min", "must be <= arith_max")
+        require(bool(self.arith_ops) and set(self.arith_ops) <= set("+-*"), "sft.arith_ops",
+                 f"{self.arith_ops!r}: use a non-empty subset of '+-*'")
+        require(self.gsm8k_examples >= 0, "sft.gsm8k_examples", f"must be >= 0, got {self.gsm8k_examples}")
 
 
 @dataclass
@@ -130,6 +142,14 @@ class ComputeConfig:
         for name in ("shared_memory", "disk"):
             v = getattr(self, name)
             require(v is None or v >= 1, f"compute.{name}", f"must be >= 1 (MiB) or omitted, got {v}")
+        require(all(isinstance(x, str) and x for x in self.secrets), "compute.secrets",
+                 f"{self.secrets!r}: a list of Kubernetes secret names, e.g. [\"grpo-s3-credentials\"]")
+        require(all(isinstance(k, str) and isinstance(v, str) for k, v in self.node_selector.items()),
+                 "compute.node_selector", f"{self.node_selector!r}: node labels map strings to strings, "
+                 "e.g. { \"nvidia.com/gpu.present\" = \"true\" }")
+        require(all(isinstance(t, dict) for t in self.tolerations), "compute.tolerations",
+                 f"{self.tolerations!r}: a list of Kubernetes toleration tables, e.g. "
+                 "[{ key = \"nvidia.com/gpu\", operator = \"Exists\", effect = \"NoSchedule\" }]")
         require(self.backend != "kubernetes" or self.gpu == 0 or self.nproc_per_node == self.gpu,
                  "compute.nproc_per_node", "must equal compute.gpu on kubernetes (one process per GPU)")
 

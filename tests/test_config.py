@@ -17,6 +17,44 @@ def test_config_choices_are_exactly_what_the_math_accepts():
 
     assert config.SCALES == algorithm.ADVANTAGE_SCALES == tuple(objective.SCALES)
     assert config.LOSS_TYPES == tuple(algorithm.LOSS_AGGREGATIONS)
+    from grpo_core import models
+    assert config.TINY_ARCHITECTURES == models.ARCHITECTURES
+
+
+@pytest.mark.parametrize("sft,match", [
+    ({"hidden": 64, "heads": 5}, r"sft\.heads: hidden 64 / heads 5 must be an even whole head size"),
+    ({"hidden": 12, "heads": 4}, r"sft\.heads: hidden 12 / heads 4"),  # head size 3: odd
+    ({"layers": 0}, r"sft\.layers: must be >= 1, got 0"),
+    ({"arch": "gpt2"}, r"sft\.arch: 'gpt2' is not allowed; use one of llama, qwen2"),
+    ({"arith_min": 9, "arith_max": 3}, r"sft\.arith_min: must be <= arith_max"),
+    ({"arith_ops": "/"}, r"sft\.arith_ops: '/': use a non-empty subset"),
+    ({"gsm8k_examples": -1}, r"sft\.gsm8k_examples: must be >= 0"),
+])
+def test_a_bootstrap_model_that_cannot_be_built_is_refused_at_load(sft, match):
+    """These used to fail in load_sft, after start had opened the MLflow run (or inside transformers)."""
+    with pytest.raises(ConfigError, match=match):
+        PipelineConfig.from_dict({"sft": sft})
+
+
+def test_tiny_model_fields_are_not_checked_for_a_given_checkpoint():
+    assert PipelineConfig.from_dict({"sft": {"source": "Qwen/Qwen2.5-0.5B", "heads": 5}}).sft.heads == 5
+
+
+@pytest.mark.parametrize("compute,match", [
+    ({"secrets": ["ok", 3]}, r"compute\.secrets: .*a list of Kubernetes secret names"),
+    ({"node_selector": {"pool": 1}}, r"compute\.node_selector: .*map strings to strings"),
+    ({"tolerations": ["nvidia.com/gpu"]}, r"compute\.tolerations: .*a list of Kubernetes toleration tables"),
+])
+def test_kubernetes_pod_fields_have_the_shapes_kubernetes_takes(compute, match):
+    with pytest.raises(ConfigError, match=match):
+        PipelineConfig.from_dict({"compute": compute})
+
+
+@pytest.mark.parametrize("metric", ["eval_accuracy", "informative_frac"])
+def test_a_gate_threshold_a_fraction_cannot_reach_is_refused(metric):
+    with pytest.raises(ConfigError, match=rf"gate_threshold: 1.5 can never be reached: {metric} is a fraction"):
+        GRPOConfig(gate_metric=metric, gate_threshold=1.5, eval_every=1)
+    assert GRPOConfig(gate_metric="reward", gate_threshold=1.5).gate_threshold == 1.5  # weighted rewards may exceed 1
 
 
 # ---------------------------------------------------------------- range checks at config load
