@@ -9,7 +9,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from grpo_core.config import TINY_ARCHITECTURES, GRPOConfig, check_choice, from_dict, require
+from grpo_core.config import TINY_ARCHITECTURES, ConfigError, GRPOConfig, check_choice, from_dict, require
 
 
 @dataclass
@@ -185,6 +185,13 @@ class PipelineConfig:
                      f"{cfg.prompts_per_iter} prompts cannot be split across {world} ranks "
                      f"(compute.nproc_per_node); use a multiple of {world}")
             setattr(self, stage, table)
+        if self.tracking_uri:
+            from grpo_core.tracking import check_no_credentials
+
+            try:
+                check_no_credentials(self.tracking_uri)
+            except ValueError as exc:
+                raise ConfigError(f"tracking_uri: {exc}") from exc
         if self.compute.backend == "kubernetes":
             env_root = os.environ.get("GRPO_STORAGE_ROOT")  # overrides storage_root, as pipeline.storage_root
             root, field = (env_root, "GRPO_STORAGE_ROOT (environment)") if env_root else (self.storage_root,

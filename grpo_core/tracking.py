@@ -19,6 +19,7 @@ import re
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from urllib.parse import urlsplit
 
 MAX_PARAM_VALUE = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH in 3.17
 MAX_TAG_VALUE = 8000  # MAX_TAG_VAL_LENGTH
@@ -88,12 +89,25 @@ def resolve_tracking_uri(configured: str | None, project_dir: str, fallback: str
         if uri.startswith(("file:", "/", ".")):
             raise ValueError(f"file-store tracking URI {uri!r} is unsupported in MLflow 3; "
                              "use sqlite:///<abs path>.db or an http(s) server")
+        check_no_credentials(uri)
         return uri
     if fallback:
         return fallback
     db_dir = Path(project_dir).resolve() / ".grpo" / "mlflow"
     db_dir.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{db_dir / 'mlflow.db'}"
+
+
+def check_no_credentials(uri: str) -> None:
+    """An http(s) tracking URI must not carry a user or password: the URI is copied into every
+    stage's config (stage.json, the flow's artifacts, pod specs) and would be stored with them.
+    MLflow reads server credentials from the environment instead."""
+    parts = urlsplit(uri)
+    if parts.scheme in ("http", "https") and (parts.username or parts.password):
+        raise ValueError(f"the MLflow tracking URI {parts.scheme}://***@{parts.hostname}... holds credentials, which "
+                         "would be stored in every stage's config and the flow's artifacts; remove them from the "
+                         "URI and set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) "
+                         "in the environment (a Kubernetes secret in compute.secrets for pods)")
 
 
 def mlflow_client(uri: str):

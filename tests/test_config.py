@@ -181,3 +181,19 @@ def test_kubernetes_config_without_resources_gets_the_defaults():
                            "gsm8k": {"prompts_per_iter": 64}})
     c = PipelineConfig.from_dict(cfg).compute
     assert (c.gpu, c.cpu, c.memory, c.shared_memory, c.disk) == (0, 2, 8192, None, None)
+
+
+@pytest.mark.parametrize("uri", ["https://alice:s3cret@mlflow.example.com", "http://token@mlflow:5000"])
+def test_credentials_in_the_tracking_uri_are_refused(uri, monkeypatch):
+    """The URI travels in every stage's config and the flow's artifacts: credentials go in the
+    environment (MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN), and the error does not echo them."""
+    from grpo_core.tracking import resolve_tracking_uri
+
+    with pytest.raises(ConfigError, match=r"tracking_uri: .*holds credentials.*MLFLOW_TRACKING_USERNAME") as err:
+        PipelineConfig.from_dict({"tracking_uri": uri})
+    assert "s3cret" not in str(err.value) and "token@" not in str(err.value)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with pytest.raises(ValueError, match="holds credentials"):
+        resolve_tracking_uri(None, ".")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "postgresql://u:p@db/mlflow")  # a database store: its own URI form
+    assert resolve_tracking_uri(None, ".") == "postgresql://u:p@db/mlflow"
