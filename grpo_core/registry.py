@@ -227,9 +227,10 @@ def _log_to_run(client, run_id: str, eval_items: dict, result: dict) -> None:
     tags = {"promotion.decision": result["decision"], "promotion.reason": result["reason"],
             "promotion.eval_set": str(result.get("eval_set", "")),
             "registry.model": result["model_name"], "registry.version": str(result["version"])}
+    held = client.get_run(run_id).data.metrics  # a rerun of the step (resume) logs no second point
     now = int(time.time() * 1000)
     client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()
-                                      if v is not None],
+                                      if v is not None and k not in held],
                      tags=[RunTag(k, v) for k, v in tags.items()])
 
 

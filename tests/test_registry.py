@@ -116,6 +116,8 @@ def test_registry_flow_sqlite(sqlite_uri, model_dir, capsys):
 
     again = _register(uri, model_dir, 51, rule="better", run_id=mv.run_id)  # a resumed register step
     assert again["version"] == 5 and len(client.search_model_versions(f"name='{name}'")) == 5
+    for key in ("promotion.challenger_accuracy", "eval.gsm8k_test.accuracy"):  # each logged once
+        assert len(client.get_metric_history(mv.run_id, key)) == 1, key
     assert aliases_by_version(client, name)[5] == ["champion"]
 
     # replaying v3's register step (promoted over v1, at the time) must not take champion back from v5
