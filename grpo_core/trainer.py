@@ -438,8 +438,9 @@ class Trainer:
             else:
                 summary["model_uri"] = str(final)
             rows = read_jsonl(str(self.metrics_path)) if self.metrics_path.exists() else []
-            summary["last"] = rows[-1] if rows else {}
-            summary["first"] = rows[0] if rows else {}
+            metrics_only = lambda row: {k: v for k, v in row.items() if k != LOGGED_AT}  # noqa: E731
+            summary["last"] = metrics_only(rows[-1]) if rows else {}
+            summary["first"] = metrics_only(rows[0]) if rows else {}
             if rows:
                 trend = summary["reward_trend"] = window_change([r["reward"] for r in rows])
                 self.tracker.log({f"reward_trend/{k}": v for k, v in trend.items() if math.isfinite(v)}, it)

@@ -33,6 +33,7 @@ def test_learns_a_learnable_reward(tiny, tmp_path):
                 "time_reward", "time_update"):
         assert key in rows[-1], key
     assert summary["iterations_run"] == 40
+    assert summary["last"]["reward"] == rows[-1]["reward"] and "logged_at_ms" not in summary["last"]
     trend = summary["reward_trend"]  # first/last 10-iteration means with a Welch 95% interval
     assert trend["window"] == 10 and trend["first"] == pytest.approx(sum(r["reward"] for r in rows[:10]) / 10)
     assert trend["ci_low"] > 0, trend
