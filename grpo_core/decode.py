@@ -151,8 +151,11 @@ class _Stepper:
         B, self.P = N * G, P
         self.keys, self.values = [], []
         for layer in cache.layers:
+            # keys in the values' dtype: under autocast transformers rotates keys in float32 (values
+            # stay bf16) and attention rounds them to bf16 anyway; a float32 buffer was re-cast whole
+            # at every step and layer
             k, v = layer.keys, layer.values                                  # [N, nkv, P, D]
-            self.keys.append(k.new_empty(B, k.shape[1], k.shape[-1], P + T))   # [B, nkv, D, P+T]
+            self.keys.append(v.new_empty(B, k.shape[1], k.shape[-1], P + T))   # [B, nkv, D, P+T]
             self.keys[-1][..., :P] = k.transpose(-1, -2).repeat_interleave(G, 0)
             self.values.append(v.new_empty(B, v.shape[1], P + T, v.shape[-1]))  # [B, nkv, P+T, D]
             self.values[-1][:, :, :P] = v.repeat_interleave(G, 0)
@@ -166,8 +169,10 @@ class _Stepper:
             self.rotations = self._cos_sin(self.positions)                     # [B, T, D] each
 
     def _cos_sin(self, positions):
-        """cos and sign-flipped sin [B, S, D] at ``positions`` [B, S], from the model's rotary module."""
-        cos, sin = self.inner.rotary_emb(self.keys[0], positions)
+        """cos and sign-flipped sin [B, S, D] at ``positions`` [B, S], from the model's rotary module,
+        in the dtype transformers computes them in (the embeddings', which autocast leaves alone)."""
+        like = self.inner.embed_tokens.weight.new_empty(0)
+        cos, sin = self.inner.rotary_emb(like, positions)
         return cos, _signed_sin(sin)
 
     def keep(self, rows: torch.Tensor) -> None:
@@ -203,7 +208,13 @@ class _Stepper:
         return self.model.lm_head(_rms_norm(h, inner.norm.weight, inner.norm.variance_epsilon)).float()
 
 
-@torch.inference_mode()
+def no_grad_for_sampling(device):
+    """``inference_mode`` (cheapest), or ``no_grad`` under autocast: autocast does not keep its
+    bf16 copies of the weights inside inference_mode, so every decode step would cast every
+    weight again, doubling the bytes a bandwidth-bound step reads."""
+    return torch.no_grad() if torch.is_autocast_enabled(device.type) else torch.inference_mode()
+
+
 def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: int, eos_id, pad_id: int,
                          temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
                          step_logits: list | None = None, compact_below: float = 0.75,
@@ -228,36 +239,37 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
     exponential number per vocabulary entry, ~0.15 ms a step at 64 x 108 on one CPU thread; the
     same tokens as generate for the same seed).
     """
-    if sampler not in SAMPLERS:
-        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
-    G, T, dev = group_size, max_new_tokens, ids.device
-    B = ids.shape[0] * G
-    out, cache = prefill(model, ids, mask)
-    logits = out.logits[:, -1].float().repeat_interleave(G, 0)              # [B, V]
-    step = _Stepper(model, cache, mask, G, T)
-    del out, cache
-    stop = torch.as_tensor(eos_id, device=dev).flatten()                      # [S] stop ids
-    tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)       # [B, T]
-    rows = torch.arange(B, device=dev)                                       # [b] rows still decoded
-    unfinished = torch.ones(B, dtype=torch.bool, device=dev)                 # [b]
-    for t in range(T):
-        if step_logits is not None:
-            step_logits.append(logits.new_zeros(B, logits.shape[-1]).index_copy_(0, rows, logits))
-        if greedy:
-            nxt = logits.argmax(-1)
-        else:
-            probs = torch.softmax(_warp(logits, temperature, top_k, top_p), dim=-1)
-            nxt = (sample_inverse_cdf(probs) if sampler == "inverse_cdf"
-                   else torch.multinomial(probs, num_samples=1).squeeze(1))  # [b]
-        nxt = torch.where(unfinished, nxt, pad_id)
-        tokens[rows, t] = nxt
-        unfinished &= (nxt != stop[0]) if len(stop) == 1 else ~torch.isin(nxt, stop)
-        left = int(unfinished.sum())
-        if t == T - 1 or left == 0:
-            break
-        if left <= compact_below * len(rows):
-            keep = unfinished.nonzero().squeeze(1)
-            rows, nxt, unfinished = rows[keep], nxt[keep], unfinished[keep]
-            step.keep(keep)
-        logits = step(nxt, t)
-    return tokens[:, :t + 1]
+    with no_grad_for_sampling(ids.device):
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+        G, T, dev = group_size, max_new_tokens, ids.device
+        B = ids.shape[0] * G
+        out, cache = prefill(model, ids, mask)
+        logits = out.logits[:, -1].float().repeat_interleave(G, 0)              # [B, V]
+        step = _Stepper(model, cache, mask, G, T)
+        del out, cache
+        stop = torch.as_tensor(eos_id, device=dev).flatten()                      # [S] stop ids
+        tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)       # [B, T]
+        rows = torch.arange(B, device=dev)                                       # [b] rows still decoded
+        unfinished = torch.ones(B, dtype=torch.bool, device=dev)                 # [b]
+        for t in range(T):
+            if step_logits is not None:
+                step_logits.append(logits.new_zeros(B, logits.shape[-1]).index_copy_(0, rows, logits))
+            if greedy:
+                nxt = logits.argmax(-1)
+            else:
+                probs = torch.softmax(_warp(logits, temperature, top_k, top_p), dim=-1)
+                nxt = (sample_inverse_cdf(probs) if sampler == "inverse_cdf"
+                       else torch.multinomial(probs, num_samples=1).squeeze(1))  # [b]
+            nxt = torch.where(unfinished, nxt, pad_id)
+            tokens[rows, t] = nxt
+            unfinished &= (nxt != stop[0]) if len(stop) == 1 else ~torch.isin(nxt, stop)
+            left = int(unfinished.sum())
+            if t == T - 1 or left == 0:
+                break
+            if left <= compact_below * len(rows):
+                keep = unfinished.nonzero().squeeze(1)
+                rows, nxt, unfinished = rows[keep], nxt[keep], unfinished[keep]
+                step.keep(keep)
+            logits = step(nxt, t)
+        return tokens[:, :t + 1]

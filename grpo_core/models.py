@@ -12,6 +12,7 @@ added tokens for the ``<think>``/``<answer>`` tags so the output format is cheap
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import string
 import tempfile
@@ -187,6 +188,21 @@ def enable_activation_checkpointing(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+@contextlib.contextmanager
+def activation_checkpointing_paused(model):
+    """Checkpointing off for forwards without a backward (rollouts, evaluation, old-policy
+    scoring). transformers >= 5.2x already skips it when grad is off; older 5.x releases
+    checkpointed any training-mode forward and dropped its KV cache, breaking the decoder."""
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for m in layers:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.gradient_checkpointing = True
 
 
 def activation_checkpointing(model) -> bool:

@@ -101,7 +101,7 @@ def _generate(model, ids, mask, group_size, max_new_tokens, eos_id, pad_id, *, t
     own = model.generation_config
     model.generation_config = GenerationConfig(pad_token_id=pad_id, eos_token_id=eos_id)
     try:
-        with torch.inference_mode():
+        with decode.no_grad_for_sampling(ids.device):
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=not greedy,
                                  max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id,
                                  use_cache=True, **sampling)

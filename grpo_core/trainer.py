@@ -26,7 +26,8 @@ from grpo_core.config import METRICS_FILE, ConfigError
 from grpo_core.data import PromptStream, eval_rows, train_rows
 from grpo_core.evaluate import greedy_results
 from grpo_core.health import divergence_alarm
-from grpo_core.models import disable_dropout, enable_activation_checkpointing, load_policy, save_policy
+from grpo_core.models import (activation_checkpointing_paused, disable_dropout, enable_activation_checkpointing,
+                              load_policy, save_policy)
 from grpo_core.objective import objective_card
 from grpo_core.rewards import RewardSpec, combine_rewards, resolve_specs
 from grpo_core.rollout import generate_rollouts
@@ -164,7 +165,7 @@ class Trainer:
                     checkpoint.prune_stored(remote, self.cfg.keep_checkpoints, written=path.name)
                 except Exception as exc:
                     warnings.warn(f"could not prune old checkpoints under {remote}: {exc}")
-            checkpoint.prune(self.ckpt_dir, self.cfg.keep_checkpoints)
+            checkpoint.prune(self.ckpt_dir, self.cfg.keep_checkpoints, written=path.name)
             self.tracker.flush()  # commit point: metrics up to here are now durable
         dist.barrier()
 
@@ -177,7 +178,7 @@ class Trainer:
         c = self.cfg
         rows = self._shard(self.stream.take(self.state["data_position"], n_prompts))
         self.state["data_position"] += n_prompts
-        with self._precision():
+        with self._forward_only():
             batch = generate_rollouts(self.model, self.tok, rows, c.group_size, temperature=c.temperature,
                                       top_p=c.top_p, top_k=c.top_k, max_new_tokens=c.max_new_tokens,
                                       max_prompt_tokens=c.max_prompt_tokens, sampler=c.sampler)
@@ -254,7 +255,7 @@ class Trainer:
         masks = [mask] if len(parts) == 1 else list(mask.split([len(p) for p in parts]))
         t0 = time.perf_counter()
         for part in parts:
-            with self._precision():
+            with self._forward_only():
                 if self.ref is not None:
                     part.ref_logp = scored_without_grad(self.ref_scorer, part, c.temperature)
                 if c.mu > 1:
@@ -288,6 +289,13 @@ class Trainer:
 
     def _precision(self):
         return precision_context(self.cfg.precision, self.info.device)
+
+    @contextlib.contextmanager
+    def _forward_only(self):
+        """Forwards with no backward (rollouts, reference/old scoring, evaluation): the stage's
+        precision, activation checkpointing paused."""
+        with self._precision(), activation_checkpointing_paused(self.model):
+            yield
 
     def _step(self, loss: float) -> float:
         """Clip and apply the update, or skip it (and count) when anything is non-finite."""
@@ -349,7 +357,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Greedy accuracy on the validation subset, sharded across ranks."""
         rows = self.eval_rows[self.info.rank::self.info.world_size]
-        with self._precision():
+        with self._forward_only():
             res = greedy_results(self.model, self.tok, rows, max_new_tokens=self.cfg.eval_max_new_tokens
                                  or self.cfg.max_new_tokens, max_prompt_tokens=self.cfg.max_prompt_tokens)
         right, total = dist.all_reduce_sum([sum(r["correct"] for r in res), len(res)], self.info.device)

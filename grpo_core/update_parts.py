@@ -9,6 +9,7 @@ import contextlib
 import torch
 
 from grpo_core import dist
+from grpo_core.decode import no_grad_for_sampling
 from grpo_core.scoring import CompletionScorer, completion_logprobs
 from grpo_core.types import RolloutBatch
 
@@ -59,8 +60,9 @@ def fused_adamw_ok(model) -> bool:
 def scored_without_grad(model, batch: RolloutBatch, temperature: float) -> torch.Tensor:
     """Completion log-probs [B, T] as constants (reference / old policy). Under ``inference_mode``
     (no version counters or view tracking: 0.95x of ``no_grad``'s time for the reference forward
-    at t64), then cloned into a normal tensor, which the loss's autograd graph may hold."""
-    with torch.inference_mode():
+    at t64; ``no_grad`` under autocast, which keeps its bf16 weight copies only outside it), then
+    cloned into a normal tensor, which the loss's autograd graph may hold."""
+    with no_grad_for_sampling(next(model.parameters()).device):
         logp, _ = completion_logprobs(model, batch, temperature)
     return logp.clone()
 

@@ -129,3 +129,32 @@ def test_gradient_checkpointing_stage_saves_a_model_that_generates_with_its_cach
     config = json.loads((tmp_path / "final" / "config.json").read_text())
     assert config.get("use_cache", True) is True
     assert "gradient_checkpointing" not in json.dumps(config)
+
+
+@pytest.mark.parametrize("precision,checkpointing", [("bf16", True), ("fp32", False)])
+def test_every_phase_runs_in_the_stage_precision_and_only_the_update_replays_layers(
+        tiny, tmp_path, monkeypatch, precision, checkpointing):
+    """Rollouts, reference and old-policy scoring, the update's forward and evaluation each see
+    autocast exactly when precision = "bf16"; checkpointed layers are on in the update's forward
+    only (transformers releases that checkpoint any training-mode forward would otherwise drop
+    the decoder's KV cache and score old log-probs without their prompt)."""
+    import grpo_core.trainer as trainer_mod
+
+    seen = {}
+
+    def spy(phase, fn):
+        def wrapped(model, *args, **kw):
+            layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+            seen.setdefault(phase, set()).add((torch.is_autocast_enabled("cpu"),
+                                               any(m.gradient_checkpointing is True for m in layers)))
+            return fn(model, *args, **kw)
+        return wrapped
+
+    for name, phase in (("generate_rollouts", "rollout"), ("scored_without_grad", "ref_old"),
+                        ("completion_logprobs", "update"), ("greedy_results", "eval")):
+        monkeypatch.setattr(trainer_mod, name, spy(phase, getattr(trainer_mod, name)))
+    main(_stage(tiny, tmp_path, precision=precision, gradient_checkpointing=checkpointing, iterations=1,
+                save_every=1, eval_every=1, eval_size=4))
+    amp = precision == "bf16"
+    assert seen == {"rollout": {(amp, False)}, "ref_old": {(amp, False)}, "update": {(amp, checkpointing)},
+                    "eval": {(amp, False)}}, seen
