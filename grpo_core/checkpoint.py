@@ -183,17 +183,20 @@ def complete(path: str | Path) -> bool:
         return False
 
 
-def prune(ckpt_root: str | Path, keep: int) -> None:
+def prune(ckpt_root: str | Path, keep: int, written: str | None = None) -> None:
     """Delete all but the newest ``keep`` complete checkpoints, damaged ones and stale temp dirs.
 
     Damaged (incomplete) checkpoints do not count towards ``keep``: two of them newer than the
-    one just written must not push the good ones out.
+    one just written must not push the good ones out. ``written`` (the name just saved) is always
+    kept, and nothing newer than it (a leftover of an earlier attempt, complete in size but
+    perhaps not in checksum) is counted or deleted.
     """
     root = Path(ckpt_root)
-    names = sorted((n for n in storage.list_dirs(str(root)) if n.startswith(PREFIX)), reverse=True)
+    names = sorted((n for n in storage.list_dirs(str(root))
+                    if n.startswith(PREFIX) and (written is None or n <= written)), reverse=True)
     kept = 0
     for name in names if keep else []:  # keep=0: keep everything
-        if kept < keep and complete(root / name):
+        if name == written or (kept < keep and complete(root / name)):
             kept += 1
         else:
             shutil.rmtree(root / name, ignore_errors=True)
@@ -223,7 +226,7 @@ def prune_stored(root_uri: str, keep: int, written: str) -> None:
     if not keep:
         return
     if not storage.is_s3(root_uri):
-        prune(root_uri, keep)
+        prune(root_uri, keep, written)
         return
     kept = 0
     names = sorted((n for n in storage.list_dirs(root_uri) if n.startswith(PREFIX) and n <= written), reverse=True)

@@ -152,6 +152,23 @@ def test_torn_writes_leave_the_last_good_checkpoint_and_prune_cleans_up(tmp_path
     assert sorted(p.name for p in root.iterdir()) == ["ckpt-000002", "ckpt-000004"]
 
 
+def test_pruning_after_a_save_keeps_it_whatever_newer_leftovers_look_like(tmp_path):
+    """ckpt-6 was just written (a resume after ckpt-8 failed its checksum): ckpt-8, complete in
+    size but corrupt, must neither evict ckpt-6 nor be deleted here; older ones go past keep."""
+    root = tmp_path / "checkpoints"
+    model, opt, sched = _small_state()
+    for it in (2, 4, 6, 8):
+        checkpoint.save(root, it, model, opt, sched, {"data_position": it})
+    weights = root / "ckpt-000008" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # same size, other bytes
+    weights.write_bytes(bytes(data))
+    checkpoint.prune(root, keep=1, written="ckpt-000006")
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-000006", "ckpt-000008"]
+    checkpoint.prune_stored(str(root), 1, written="ckpt-000006")  # a local sync_uri takes the same path
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-000006", "ckpt-000008"]
+
+
 # ---------------------------------------------------------------- 2. corrupt checkpoint on resume
 
 
