@@ -14,8 +14,12 @@ rejects per-step namespaces.
 The values come from the validated ``PipelineConfig`` (defaults filled in, ranges checked), not
 the raw TOML: a config that leaves out ``gpu``/``cpu``/``memory`` gets ``ComputeConfig``'s
 defaults, and a bad config fails here, at flow construction, with the ``ConfigError`` naming the
-field, before anything is deployed.
+field, before anything is deployed. A ``GRPO_STORAGE_ROOT`` set on the launcher (it overrides
+``storage_root``) is passed to the pods with ``@environment``: they rebuild and validate the
+config too, and without it would check, and fail on, the TOML's root.
 """
+import os
+
 from metaflow import StepMutator
 
 from grpo_core.pipeline_config import PipelineConfig
@@ -36,6 +40,9 @@ def _add_kubernetes(mutable_step, gpus=lambda c: c.gpu) -> None:
     if c.tolerations:
         kw["tolerations"] = [dict(t) for t in c.tolerations]
     mutable_step.add_decorator("kubernetes", deco_kwargs=kw)
+    root = os.environ.get("GRPO_STORAGE_ROOT")
+    if root:  # the pod rebuilds and validates the config as the launcher did: same storage root
+        mutable_step.add_decorator("environment", deco_kwargs={"vars": {"GRPO_STORAGE_ROOT": root}})
 
 
 class train_compute(StepMutator):

@@ -223,13 +223,13 @@ def launch_stage(stage_cfg: dict, nproc: int, threads: int, on_progress=None, po
 
 class _ProgressReport:
     """Calls ``on_progress`` with the metrics so far. It is a view (the live card): one that fails
-    warns once and is skipped, training and the step go on (Ctrl-C still stops them)."""
+    warns once and is not called again; training and the step go on (Ctrl-C still stops them)."""
 
     def __init__(self, on_progress, out: Path):
         self.on_progress, self.out, self.failed = on_progress, out, False
 
     def __call__(self) -> None:
-        if not self.on_progress:
+        if not self.on_progress or self.failed:
             return
         try:
             self.on_progress(read_metrics(self.out))

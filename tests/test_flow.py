@@ -220,6 +220,23 @@ def test_kubernetes_config_puts_gpus_on_exactly_the_training_and_evaluation_step
             assert "kubernetes" not in decos, name
 
 
+def test_a_launcher_storage_root_override_reaches_the_pods(tmp_path):
+    """The TOML keeps a local storage_root, the launcher exports an s3:// GRPO_STORAGE_ROOT: each
+    pod step gets it through @environment (its config validation would refuse the local root)."""
+    with open(K8S_CFG, "rb") as f:
+        text = f.read().decode().replace('storage_root = "s3://grpo-artifacts/pipeline"', 'storage_root = ".grpo/artifacts"')
+    local_root = tmp_path / "k8s_local_root.toml"
+    local_root.write_text(text)
+    graph = _output_raw(tmp_path, "--config", "cfg", str(local_root),
+                        env_extra={"GRPO_STORAGE_ROOT": "s3://other-bucket/pipeline"})
+    for name, node in graph.items():
+        decos = {d["name"]: d["attributes"] for d in node.get("decorators", [])}
+        if "kubernetes" in decos:
+            assert decos["environment"]["vars"] == {"GRPO_STORAGE_ROOT": "s3://other-bucket/pipeline"}, name
+    assert {n for n, node in graph.items() if "kubernetes" in {d["name"] for d in node.get("decorators", [])}} == \
+        TRAINING_STEPS | {"evaluate"}
+
+
 def test_local_config_adds_no_kubernetes(tmp_path):
     graph = _output_raw(tmp_path)
     assert all("kubernetes" not in {d["name"] for d in n.get("decorators", [])} for n in graph.values())
@@ -337,11 +354,14 @@ def test_a_step_interrupted_while_training_runs_stops_torchrun(tmp_path):
 def test_a_live_card_that_fails_does_not_stop_training(tmp_path, capsys):
     from grpo_core.pipeline import launch_stage
 
+    calls = []
+
     def card_fails(rows):
+        calls.append(len(rows))
         raise RuntimeError("card cannot render")
 
     summary = launch_stage(_tiny_stage(tmp_path, 2), nproc=1, threads=1, on_progress=card_fails, poll_s=0.2)
-    assert summary["iterations_run"] == 2
+    assert summary["iterations_run"] == 2 and len(calls) == 1  # not called again once it failed
     assert capsys.readouterr().err.count("live progress update failed (RuntimeError: card cannot render)") == 1
 
 
