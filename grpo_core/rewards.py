@@ -4,8 +4,9 @@ The final answer of a completion is read, in order of priority, from
   1. ``<answer>...</answer>`` tags (all closed tags must agree: two different answers are wrong),
   2. whichever comes later in the text of
      - the last ``#### N`` line whose rest is a number (GSM8K style). Markdown headings are skipped:
-       a number followed by ``.``/``)``/``:`` and text (``#### 2. Compute``, ``#### 3) Answer``);
-       ``#### 18.``, ``#### 18 apples``, ``#### 18 USD``, ``#### $1,234`` count;
+       a number followed by ``.``/``)``/``:`` and text (``#### 2. Compute``, ``#### 3) Answer``) or by a
+       capitalised word and more words (``#### 2 Final Answer``); ``#### 18.``, ``#### 18 apples``,
+       ``#### 18 USD``, ``#### 18 Dollars``, ``#### $1,234`` count;
      - the last ``\\boxed{...}`` holding a number,
   3. the last number in the text.
 Numbers are exact ``fractions.Fraction`` values. Accepted forms: ``$``, ``%``, units, thousands commas
@@ -57,9 +58,10 @@ _NUMBER = re.compile(
 _FRAC = re.compile(r"\\d?frac\{([-\d.,]+)\}\{([-\d.,]+)\}", re.ASCII)  # \frac{1}{2} -> 1/2
 # LaTeX thousands separators between a digit and exactly three digits: 1{,}000 1,\!000 1\,000 1\!000 1\ 000
 _LATEX_SEP = re.compile(r"(?<=\d)(?:\{,\}|,\\!|\\[,! ])(?=\d{3}(?!\d))", re.ASCII)
-# what follows the number of a markdown heading "#### 2. Compute", "#### 3) **Answer**" (a capitalised
-# word alone is not enough: "#### 18 USD", "#### 18 Dollars" are answers with units)
-_HEADING_REST = re.compile(r"\s*[.):]\s*[*_`]*[^\W\d_]")
+# what follows the number of a markdown heading: "#### 2. Compute", "#### 3) **Answer**", or a phrase that
+# starts with a capitalised word, "#### 2 Final Answer", "#### 2 Compute the total" (one word alone is a
+# unit: "#### 18 USD", "#### 18 Dollars" are answers)
+_HEADING_REST = re.compile(r"\s*[.):]\s*[*_`]*[^\W\d_]|[ \t]+[*_`]*[A-Z][^\W_]*[*_`]*[ \t]+[*_`]*[^\W\d_]")
 _DIGIT = re.compile(r"\d", re.ASCII)
 
 

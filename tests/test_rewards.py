@@ -375,6 +375,8 @@ def test_docstring_examples():
         "#### 2. Final Answer\nThe total is 18.",
         "#### 3) Answer\n\\boxed{18}",
         "#### 4: Result\n6 * 3 = 18",
+        "#### 2 Final Answer\nThe total is 18.",  # a capitalised phrase
+        "#### 2 Compute the total\n9 * 2 = 18",
         "#### 2.Compute\n18",
         "#### 2. **Compute**\n\\boxed{18}",
         "#### 1.5. Check\n18",
