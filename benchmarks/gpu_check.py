@@ -13,7 +13,7 @@
      to 1e-4; bf16: reported);
 then times, on the big model: generation tokens/s (our decoder and generate), the reference
 forward, and the policy forward+backward+AdamW step (bf16 weights; then fp32 weights under
-autocast, what ``precision = "bf16"`` trains with), with MFU = FLOPs / time / peak, FLOPs =
+autocast, what ``precision = "bf16"`` trains with; its generation is timed too), with MFU = FLOPs / time / peak, FLOPs =
 3 x forward, forward = 2 x matmul params x tokens processed (+ 2 x d x V per scored position)
 + causal attention 4 x d x keys per query and layer. ``ddp`` (under torchrun, nproc = GPU count)
 checks an all_reduce and one DDP Trainer.update against the one-process gradient. Failures are
@@ -305,6 +305,13 @@ def timings(dev, smoke: bool) -> dict:
 
     t_amp, loss = timed(step_autocast, dev, reps)
     check("autocast training step (fp32 weights) loss is finite", loss == loss and abs(loss) < 1e6, f"(loss {loss:.3g})")
+
+    def decode_autocast():
+        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
+            return sample_shared_prefix(model, ids, mask, G, max_new_tokens=T, eos_id=eos, pad_id=0, **kw)
+
+    t_gen_amp, comp_amp = timed(decode_autocast, dev, reps)
+    res.update(gen_tokens_per_s_autocast=comp_amp.numel() / t_gen_amp, gen_s_autocast=t_gen_amp)
     flops = flops_per_step(shape, N, G, P, T)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     peak = float(os.environ.get("GPU_PEAK_TFLOPS", 0)) * 1e12 or next(
@@ -317,6 +324,8 @@ def timings(dev, smoke: bool) -> dict:
     print(f"  reference forward {t_ref:.3f} s; policy fwd+bwd+AdamW {t_step:.3f} s = "
           f"{flops / t_step / 1e12:.1f} TFLOP/s" + (f", MFU {res['mfu']:.1%} of {peak / 1e12:.0f}" if peak else ""),
           flush=True)
+    print(f"  generation with precision=bf16 (fp32 weights, autocast): {comp_amp.numel() / t_gen_amp:,.0f} tok/s "
+          f"({t_gen_amp:.3f} s)", flush=True)
     print(f"  the same step with precision=bf16 (fp32 weights + AdamW, autocast): {t_amp:.3f} s = "
           f"{flops / t_amp / 1e12:.1f} TFLOP/s" + (f", MFU {res['mfu_autocast']:.1%}" if peak else ""), flush=True)
     return res
