@@ -277,32 +277,24 @@ def timings(dev, smoke: bool) -> dict:
 
     t_ref, ref_logp = timed(ref_forward, dev, reps)
 
-    def step():
-        logp, _ = completion_logprobs(model, batch, 1.0, with_entropy=True)
-        loss, _ = grpo_loss(logp, logp.detach(), ref_logp, batch.advantages, m, beta=0.04, loss_type="dapo")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss.item()
+    def make_step(model, opt, amp: bool):
+        def step():
+            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=amp):
+                logp, _ = completion_logprobs(model, batch, 1.0, with_entropy=True)
+            loss, _ = grpo_loss(logp, logp.detach(), ref_logp, batch.advantages, m, beta=0.04, loss_type="dapo")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            return loss.item()
+        return step
 
-    t_step, loss = timed(step, dev, reps)
+    t_step, loss = timed(make_step(model, opt, amp=False), dev, reps)
     check("training step loss is finite", loss == loss and abs(loss) < 1e6, f"(loss {loss:.3g})")
     # what the trainer runs with precision = "bf16": float32 weights and AdamW, autocast forward
     del opt
     model = model.float()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-
-    def step_autocast():
-        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
-            logp, _ = completion_logprobs(model, batch, 1.0, with_entropy=True)
-        loss, _ = grpo_loss(logp, logp.detach(), ref_logp, batch.advantages, m, beta=0.04, loss_type="dapo")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss.item()
-
+    step_autocast = make_step(model, torch.optim.AdamW(model.parameters(), lr=1e-6), amp=True)
     t_amp, loss = timed(step_autocast, dev, reps)
     check("autocast training step (fp32 weights) loss is finite", loss == loss and abs(loss) < 1e6, f"(loss {loss:.3g})")
 
