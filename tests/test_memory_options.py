@@ -4,6 +4,7 @@ update with float32 weights and loss math) and gradient_checkpointing.
 On CPU (torch's CPU autocast supports bfloat16), so the code path is exercised here; the GPU
 check (benchmarks/gpu_check.py) repeats the update comparison on a GPU.
 """
+import contextlib
 import json
 
 import pytest
@@ -158,3 +159,26 @@ def test_every_phase_runs_in_the_stage_precision_and_only_the_update_replays_lay
     amp = precision == "bf16"
     assert seen == {"rollout": {(amp, False)}, "ref_old": {(amp, False)}, "update": {(amp, checkpointing)},
                     "eval": {(amp, False)}}, seen
+
+
+def test_bf16_decoding_casts_each_weight_once_not_every_step(tiny):
+    """Autocast keeps its bf16 copy of a weight only outside inference_mode: decoding under
+    inference_mode re-cast every matmul weight at every step (bandwidth-bound decoding then reads
+    fp32 + bf16 bytes). The decoder switches to no_grad under autocast."""
+    from torch.profiler import profile
+
+    from grpo_core.decode import sample_shared_prefix
+    from grpo_core.models import load_policy
+    from grpo_core.rollout import encode_prompts
+
+    model, tok = load_policy(str(tiny))
+    ids, mask = encode_prompts(tok, ["12+3=", "7*8="], 64)
+    steps, weights = 12, sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+
+    def casts(outer):
+        with torch.autocast("cpu", dtype=torch.bfloat16), outer, profile() as p:
+            sample_shared_prefix(model, ids, mask, 2, max_new_tokens=steps, eos_id=-1, pad_id=tok.pad_token_id)
+        return sum(e.count for e in p.key_averages() if e.key == "aten::_to_copy")
+
+    shipped, forced = casts(contextlib.nullcontext()), casts(torch.inference_mode())
+    assert forced - shipped >= weights * (steps - 2), (forced, shipped, weights)
