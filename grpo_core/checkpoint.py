@@ -172,15 +172,25 @@ def _load_tensors(file: Path):
                          "have been tampered with. Delete it and resume from an older checkpoint.") from exc
 
 
+def _sizes_match(manifest_text: str | None, size_of) -> bool:
+    """The manifest parses, lists the required files, and ``size_of(name)`` (None if absent) is
+    every listed file's recorded size."""
+    try:
+        manifest = json.loads(manifest_text or "null")
+        return isinstance(manifest, dict) and REQUIRED <= set(manifest) and all(
+            size_of(n) == m["size"] for n, m in manifest.items())
+    except (OSError, ValueError, KeyError, TypeError):  # OSError: a file removed while looking
+        return False
+
+
 def complete(path: str | Path) -> bool:
     """Cheap check (no checksums): the manifest parses and every file has its recorded size."""
     path = Path(path)
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        return isinstance(manifest, dict) and REQUIRED <= set(manifest) and all(
-            (path / n).is_file() and (path / n).stat().st_size == m["size"] for n, m in manifest.items())
-    except (OSError, ValueError, KeyError, TypeError):
+        text = (path / MANIFEST).read_text()
+    except OSError:
         return False
+    return _sizes_match(text, lambda n: (path / n).stat().st_size if (path / n).is_file() else None)
 
 
 def prune(ckpt_root: str | Path, keep: int, written: str | None = None) -> None:
@@ -192,14 +202,9 @@ def prune(ckpt_root: str | Path, keep: int, written: str | None = None) -> None:
     perhaps not in checksum) is counted or deleted.
     """
     root = Path(ckpt_root)
-    names = sorted((n for n in storage.list_dirs(str(root))
-                    if n.startswith(PREFIX) and (written is None or n <= written)), reverse=True)
-    kept = 0
-    for name in names if keep else []:  # keep=0: keep everything
-        if name == written or (kept < keep and complete(root / name)):
-            kept += 1
-        else:
-            shutil.rmtree(root / name, ignore_errors=True)
+    if keep:  # keep=0: keep everything
+        _prune_names(storage.list_dirs(str(root)), keep, written, lambda n: complete(root / n),
+                     lambda n: shutil.rmtree(root / n, ignore_errors=True))
     for tmp in root.glob(f".{PREFIX}*"):
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -209,13 +214,7 @@ def stored_complete(uri: str) -> bool:
     the required files, and every file it lists is there with its recorded size."""
     if not storage.is_s3(uri):
         return complete(uri)
-    try:
-        manifest = json.loads(storage.read_text(storage.join(uri, MANIFEST)) or "null")
-        sizes = storage.s3_file_sizes(uri)
-        return isinstance(manifest, dict) and REQUIRED <= set(manifest) and all(
-            sizes.get(n) == m["size"] for n, m in manifest.items())
-    except (ValueError, KeyError, TypeError):
-        return False
+    return _sizes_match(storage.read_text(storage.join(uri, MANIFEST)), storage.s3_file_sizes(uri).get)
 
 
 def prune_stored(root_uri: str, keep: int, written: str) -> None:
@@ -228,11 +227,18 @@ def prune_stored(root_uri: str, keep: int, written: str) -> None:
     if not storage.is_s3(root_uri):
         prune(root_uri, keep, written)
         return
+    _prune_names(storage.list_dirs(root_uri), keep, written, lambda n: stored_complete(storage.join(root_uri, n)),
+                 lambda n: storage.delete_dir(storage.join(root_uri, n)))
+
+
+def _prune_names(names, keep: int, written: str | None, is_complete, delete) -> None:
+    """The pruning rule of ``prune`` and ``prune_stored``, over checkpoint ``names``: newest first,
+    ``written`` and complete ones are kept up to ``keep``, the rest deleted; names newer than
+    ``written`` are left alone."""
     kept = 0
-    names = sorted((n for n in storage.list_dirs(root_uri) if n.startswith(PREFIX) and n <= written), reverse=True)
-    for name in names:
-        uri = storage.join(root_uri, name)
-        if name == written or (kept < keep and stored_complete(uri)):
+    for name in sorted((n for n in names if n.startswith(PREFIX) and (written is None or n <= written)),
+                       reverse=True):
+        if name == written or (kept < keep and is_complete(name)):
             kept += 1
         else:
-            storage.delete_dir(uri)
+            delete(name)
