@@ -92,6 +92,12 @@ def check_choice(value, allowed, where):
     require(value in allowed, where, f"{value!r} is not allowed; use one of {', '.join(map(str, allowed))}")
 
 
+def check_arithmetic(ops: str, lo: int, hi: int, where: str):
+    """The arithmetic task's operators and operand range (GRPO stages and the bootstrap SFT)."""
+    require(lo <= hi, f"{where}.arith_min", "must be <= arith_max")
+    require(bool(ops) and set(ops) <= set("+-*"), f"{where}.arith_ops", f"{ops!r}: use a non-empty subset of '+-*'")
+
+
 @dataclass
 class GRPOConfig:
     """One GRPO stage (the curriculum and GSM8K stages each get one)."""
@@ -265,9 +271,7 @@ class GRPOConfig:
                  w, "top_k, warmup_iters and eval_every must be >= 0")
         require(self.micro_batch_groups >= 0, f"{w}.micro_batch_groups",
                  f"must be >= 0 (0 = all of a rank's groups at once), got {self.micro_batch_groups}")
-        require(self.arith_min <= self.arith_max, f"{w}.arith_min", "must be <= arith_max")
-        require(bool(self.arith_ops) and set(self.arith_ops) <= set("+-*"), f"{w}.arith_ops",
-                 f"{self.arith_ops!r}: use a non-empty subset of '+-*'")
+        check_arithmetic(self.arith_ops, self.arith_min, self.arith_max, w)
         if self.gate_metric is not None:
             check_choice(self.gate_metric, GATE_METRICS, f"{w}.gate_metric")
             require(self.gate_metric != "eval_accuracy" or self.eval_every > 0, f"{w}.gate_metric",

@@ -234,9 +234,9 @@ class _ProgressReport:
         try:
             self.on_progress(read_metrics(self.out))
         except Exception as exc:
-            if not self.failed:
-                from grpo_core.tracking import warn
-                warn(f"live progress update failed ({type(exc).__name__}: {exc}); training goes on")
+            from grpo_core.tracking import warn
+
+            warn(f"live progress update failed ({type(exc).__name__}: {exc}); training goes on")
             self.failed = True
 
 

@@ -9,7 +9,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from grpo_core.config import TINY_ARCHITECTURES, ConfigError, GRPOConfig, check_choice, from_dict, require
+from grpo_core.config import (TINY_ARCHITECTURES, ConfigError, GRPOConfig, check_arithmetic, check_choice, from_dict,
+                              require)
 
 
 @dataclass
@@ -54,9 +55,7 @@ class SFTConfig:
         require(self.hidden % self.heads == 0 and (self.hidden // self.heads) % 2 == 0, "sft.heads",
                  f"hidden {self.hidden} / heads {self.heads} must be an even whole head size (rotary "
                  "embeddings rotate pairs); e.g. hidden = 64, heads = 4")
-        require(self.arith_min <= self.arith_max, "sft.arith_min", "must be <= arith_max")
-        require(bool(self.arith_ops) and set(self.arith_ops) <= set("+-*"), "sft.arith_ops",
-                 f"{self.arith_ops!r}: use a non-empty subset of '+-*'")
+        check_arithmetic(self.arith_ops, self.arith_min, self.arith_max, "sft")
         require(self.gsm8k_examples >= 0, "sft.gsm8k_examples", f"must be >= 0, got {self.gsm8k_examples}")
 
 

@@ -293,8 +293,10 @@ class Trainer:
     @contextlib.contextmanager
     def _forward_only(self):
         """Forwards with no backward (rollouts, reference/old scoring, evaluation): the stage's
-        precision, activation checkpointing paused."""
-        with self._precision(), activation_checkpointing_paused(self.model):
+        precision, activation checkpointing paused (if on: pausing scans every module)."""
+        paused = (activation_checkpointing_paused(self.model) if self.cfg.gradient_checkpointing
+                  else contextlib.nullcontext())
+        with self._precision(), paused:
             yield
 
     def _step(self, loss: float) -> float:
