@@ -296,7 +296,8 @@ def timings(dev, smoke: bool) -> dict:
     model = model.float()
     step_autocast = make_step(model, torch.optim.AdamW(model.parameters(), lr=1e-6), amp=True)
     t_amp, loss = timed(step_autocast, dev, reps)
-    check("autocast training step (fp32 weights) loss is finite", loss == loss and abs(loss) < 1e6, f"(loss {loss:.3g})")
+    check("autocast training step (fp32 weights) loss is finite", loss == loss and abs(loss) < 1e6,
+          f"(loss {loss:.3g})")
 
     def decode_autocast():
         with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):

@@ -48,7 +48,8 @@ def _next_tagged(side: str, lines: queue.Queue, tag: str, timeout: float, err) -
 
 def run_lockstep(script: str, sides: list[str], config: str, model_dir: Path, args) -> dict[str, dict]:
     """One run of every side, in lockstep: one worker process per side (so peak RSS is that side's
-    alone; ``script --worker side ...`` prints the tagged lines below), all started, then iteration i of each side in turn (A B, then B A, ...), each waiting
+    alone; ``script --worker side ...`` prints the tagged lines below), all started, then iteration i of
+    each side in turn (A B, then B A, ...), each waiting
     while the others run. Iteration i of ours and of TRL are seconds apart, so the per-iteration
     pairs see the same machine; this machine's speed drifts by +-25% between runs a minute apart.
     """

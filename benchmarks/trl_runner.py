@@ -57,8 +57,8 @@ def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_core.rewards import load_reward_fn
     from grpo_core.models import prepare_tokenizer
+    from grpo_core.rewards import load_reward_fn
 
     steps = iters + warmup
     G, P = spec["group_size"], spec["prompts"]

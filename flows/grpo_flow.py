@@ -11,7 +11,7 @@
     python flows/grpo_flow.py run                                          # local default
     python flows/grpo_flow.py --datastore s3 --config cfg flows/configs/kubernetes.toml run
     python flows/grpo_flow.py resume                                       # after a failure
-"""  # noqa: E402 (the user-name default must be set before metaflow is imported)
+"""
 import os
 from pathlib import Path
 
@@ -21,10 +21,11 @@ if all(os.environ.get(v, "root") == "root" for v in ("METAFLOW_USER", "USERNAME"
 
 from metaflow import Config, FlowSpec, card, current, step
 
-from compute import eval_compute, train_compute
 from grpo_core import pipeline
-from cards import stage_table_card, training_card, training_result
 from grpo_core.pipeline_config import PipelineConfig, parse_config_text
+
+from cards import registry_card, stage_table_card, training_card, training_result
+from compute import eval_compute, train_compute
 
 LOCAL_DEFAULT = str(Path(__file__).resolve().parent / "configs" / "local.toml")
 
@@ -84,18 +85,20 @@ class GRPOFlow(FlowSpec):
     @card(type="blank", id="evaluation")
     @step
     def join_evaluations(self, inputs):
-        """Collect every stage's results, log them named by their data."""
+        """Collect every stage's results, pair each with the start model's, log them named by their data."""
         self.merge_artifacts(inputs, include=["ctx", "datasets", "sft_metrics", "curriculum", "gsm8k"])
-        self.results = pipeline.in_stage_order([i.result for i in inputs])
+        self.results = pipeline.paired_with_start(pipeline.in_stage_order([i.result for i in inputs]))
         pipeline.log_evaluation(self._ctx(), self.results, self.datasets)
         stage_table_card(current.card["evaluation"], self.results)
         self.next(self.register)
 
+    @card(type="blank", id="registry")
     @step
     def register(self):
-        """Register the final model; promote it only if it beats the champion."""
+        """Register the final model; promote it only if it beats the champion (the first one: the start model)."""
         self.registry = pipeline.register(self.pc, self._ctx(), self.results[-1], self.datasets,
-                                          current.pathspec)
+                                          current.pathspec, start=self.results[0])
+        registry_card(current.card["registry"], self.registry)
         self.next(self.end)
 
     @step

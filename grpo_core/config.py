@@ -2,7 +2,8 @@
 
 Configuration flows one way: TOML file -> Metaflow ``Config`` -> ``PipelineConfig.from_dict``
 (``pipeline_config.py``) -> ``GRPOConfig`` per stage -> ``grpo_core``. Each field has its
-docstring once, right under it. ``from_dict`` rejects unknown fields and wrong types with a message naming the field, the
+docstring once, right under it. ``from_dict`` rejects unknown fields and wrong types with a message naming the field,
+the
 allowed names/values and the fix; ``__post_init__`` checks ranges and combinations.
 ``to_dict()`` is what gets logged to MLflow, whole.
 """
@@ -116,6 +117,12 @@ class GRPOConfig:
     """Smallest operand of the arithmetic curriculum."""
     arith_max: int = 20
     """Largest operand of the arithmetic curriculum."""
+    system_prompt: str | None = None
+    """System message put before every prompt of this stage (rollouts, in-stage evaluation, and the
+    final evaluation and served model of its checkpoint). None sends no system turn: the chat
+    template's own default stays (SmolLM2 inserts "You are a helpful AI assistant named SmolLM,
+    trained by Hugging Face"). No format instruction is added by default: rewards parse the answer
+    from free text (``#### N``, ``<answer>N</answer>``, "the answer is N", else the last number)."""
     rewards: list = field(default_factory=lambda: [dict(r) for r in DEFAULT_REWARDS])
     """Reward functions: [{fn = 'package.module:function', weight = 1.0}] (code execution!)."""
     trust_remote_code: bool = False
@@ -280,6 +287,8 @@ class GRPOConfig:
                      f"{self.gate_threshold} can never be reached: {self.gate_metric} is a fraction (at most 1), so "
                      "the gate would never promote; use a threshold in [0, 1]")
         require(self.loss_type == "grpo" or self.mu >= 1, w, "mu must be >= 1")
+        require(self.system_prompt is None or bool(self.system_prompt.strip()), f"{w}.system_prompt",
+                 "is empty; omit it to keep the chat template's default system message, or give the text")
         require(bool(self.rewards), f"{w}.rewards", "needs at least one {fn, weight} entry")
         for i, r in enumerate(self.rewards):
             require(isinstance(r, dict) and set(r) <= {"fn", "weight"} and "fn" in r,

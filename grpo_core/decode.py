@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from grpo_core.config import SAMPLERS
 
-
 FAST_DECODE_MODEL_TYPES = ("llama", "qwen2")  # pre-norm RMSNorm, rotary, q/k/v/o attention, SiLU-gated MLP
 
 
@@ -69,8 +68,7 @@ def prefill(model, ids, mask, logits_to_keep: int = 1):
 
 def _warp(logits, temperature: float, top_k: int, top_p: float):
     """The warpers generate applies when sampling, in generate's order: temperature, top-k, top-p."""
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
     if temperature != 1.0:
         logits = TemperatureLogitsWarper(temperature)(None, logits)
     if top_k:
@@ -141,11 +139,12 @@ class _Stepper:
         self.model, self.inner = model, model.model
         attn = self.inner.layers[0].self_attn
         lin = lambda m: (m.weight, m.bias)  # noqa: E731
-        self.layers = [(l.input_layernorm.weight, l.input_layernorm.variance_epsilon,
-                        lin(l.self_attn.q_proj), lin(l.self_attn.k_proj), lin(l.self_attn.v_proj),
-                        lin(l.self_attn.o_proj), l.post_attention_layernorm.weight,
-                        l.post_attention_layernorm.variance_epsilon,
-                        lin(l.mlp.gate_proj), lin(l.mlp.up_proj), lin(l.mlp.down_proj)) for l in self.inner.layers]
+        self.layers = [(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                        lin(layer.self_attn.q_proj), lin(layer.self_attn.k_proj), lin(layer.self_attn.v_proj),
+                        lin(layer.self_attn.o_proj), layer.post_attention_layernorm.weight,
+                        layer.post_attention_layernorm.variance_epsilon,
+                        lin(layer.mlp.gate_proj), lin(layer.mlp.up_proj), lin(layer.mlp.down_proj))
+                       for layer in self.inner.layers]
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         G, T, (N, P) = group_size, max_new_tokens, mask.shape
         B, self.P = N * G, P

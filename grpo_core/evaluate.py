@@ -15,12 +15,13 @@ import torch
 
 from grpo_core.rewards import is_correct
 from grpo_core.rollout import generate_rollouts
-from grpo_core.stats import wilson_interval
+from grpo_core.stats import mcnemar_exact, wilson_interval
 
 
 def greedy_results(model, tok, rows: list[dict], *, max_new_tokens: int, batch_size: int = 64,
-                   max_prompt_tokens: int = 2048) -> list[dict]:
-    """Greedy completion and correctness of every row (batched generate)."""
+                   max_prompt_tokens: int = 2048, system_prompt: str | None = None) -> list[dict]:
+    """Greedy completion, correctness and whether it was cut off at ``max_new_tokens`` (no stop
+    token), for every row. Prompts render as rollouts render them (``rollout.render_prompts``)."""
     was_training = model.training
     model.eval()
     out = []
@@ -28,20 +29,36 @@ def greedy_results(model, tok, rows: list[dict], *, max_new_tokens: int, batch_s
         chunk = rows[i:i + batch_size]
         batch = generate_rollouts(model, tok, chunk, 1, temperature=1.0, top_p=1.0, top_k=0,
                                   max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
-                                  greedy=True)
-        for row, text in zip(chunk, batch.completions):
+                                  greedy=True, system_prompt=system_prompt)
+        for row, text, cut in zip(chunk, batch.completions, batch.truncated.tolist()):
             out.append({"item_id": row["id"], "correct": bool(is_correct(text, row["gold"])),
-                        "gold": row["gold"], "completion": text})
+                        "gold": row["gold"], "completion": text, "truncated": bool(cut)})
     model.train(was_training)
     return out
 
 
 def summarize(results: list[dict]) -> dict:
-    """Accuracy with its Wilson 95% interval and the counts it came from."""
+    """Accuracy with its Wilson 95% interval, the counts it came from, and the share of answers
+    cut off by the generation cap (a cap that cuts many answers measures the cap, not the model)."""
     n = len(results)
     k = sum(r["correct"] for r in results)
     low, high = wilson_interval(k, n)
-    return {"accuracy": k / n if n else 0.0, "ci_low": low, "ci_high": high, "n": n, "correct": k}
+    cut = sum(bool(r.get("truncated")) for r in results)
+    return {"accuracy": k / n if n else 0.0, "ci_low": low, "ci_high": high, "n": n, "correct": k,
+            "truncated_frac": cut / n if n else 0.0}
+
+
+def compare_to_start(start: list[dict], other: list[dict]) -> dict:
+    """``other`` against ``start`` on the same items: accuracy change and exact McNemar p on the
+    discordant pairs (items matched by id; an item missing from either side is an error)."""
+    a, b = {r["item_id"]: r["correct"] for r in start}, {r["item_id"]: r["correct"] for r in other}
+    if a.keys() != b.keys():
+        raise ValueError(f"cannot pair the evaluations: {len(a.keys() ^ b.keys())} items are in only one "
+                         "of them; evaluate both models on the same set")
+    ids = sorted(a)
+    test = mcnemar_exact([a[i] for i in ids], [b[i] for i in ids])
+    return {"delta": (sum(b.values()) - sum(a.values())) / max(len(ids), 1), "p_value": test["p_value"],
+            "gained": test["b_only"], "lost": test["a_only"]}
 
 
 def eval_sets(eval_cfg, arith: dict) -> dict[str, list[dict]]:

@@ -1,7 +1,8 @@
 """Policy loading and saving, and the tiny offline model used by the local default and tests.
 
 A policy is a Hugging Face causal LM plus its tokenizer. It loads from a hub id, a local
-directory or an ``s3://`` URI (downloaded through ``storage`` first), always with safetensors
+directory, an ``s3://`` URI (downloaded through ``storage`` first) or a GGUF checkpoint
+(converted once by ``gguf_source``), always with safetensors
 and ``trust_remote_code`` off unless asked for. Since this machine cannot reach the hub,
 ``build_tiny`` makes a real transformers architecture (Llama or Qwen2) with random weights and
 a character-level tokenizer built with ``tokenizers``: every character is a token, plus four
@@ -146,9 +147,18 @@ def check_policy(name: str, model) -> None:
 
 
 def load_policy(name_or_path: str, *, trust_remote_code: bool = False, dtype: str = "float32"):
-    """Load ``(model, tokenizer)`` from a hub id, a local dir or an ``s3://`` URI."""
+    """Load ``(model, tokenizer)`` from a hub id, a local dir, an ``s3://`` URI or a GGUF source
+    (a ``.gguf`` file or a packaged name such as ``smollm2-135m-instruct``: converted once into
+    ``gguf_source.default_cache_root()``, then loaded as a dir)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils.logging import disable_progress_bar
 
+    disable_progress_bar()  # a "Loading weights" bar per load (policy, reference, each evaluation) floods step logs
+
+    from grpo_core import gguf_source
+
+    if gguf_source.is_gguf_source(name_or_path):
+        name_or_path = gguf_source.convert_gguf(name_or_path, gguf_source.default_cache_root())["uri"]
     src = _local_model_dir(str(name_or_path))
     if Path(src).is_dir():
         _check_local_dir(str(name_or_path), Path(src))
@@ -238,6 +248,9 @@ def unwrap(model):
 
 def save_policy(model, tok, out_dir: str | Path) -> Path:
     """Write an HF model dir (safetensors + tokenizer) atomically: temp dir, then rename."""
+    from transformers.utils.logging import disable_progress_bar
+
+    disable_progress_bar()  # no "Writing model shards" bar per save in the step logs
     model = unwrap(model)
 
     def fill(tmp: Path) -> None:

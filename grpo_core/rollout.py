@@ -13,17 +13,30 @@ from grpo_core import decode
 from grpo_core.types import RolloutBatch
 
 
-def render_prompts(tok, prompts: list[str]) -> list[str]:
-    """Wrap raw questions in the tokenizer's chat template (plain text if it has none)."""
+def chat_messages(question: str, system_prompt: str | None = None) -> list[dict]:
+    """The chat turns of one prompt: an optional system message, then the raw question.
+
+    ``system_prompt`` None sends no system turn, so a template that inserts its own default
+    system message (SmolLM2's "You are a helpful AI assistant named SmolLM, ...") keeps it."""
+    user = [{"role": "user", "content": question}]
+    return user if system_prompt is None else [{"role": "system", "content": system_prompt}] + user
+
+
+def render_prompts(tok, prompts: list[str], system_prompt: str | None = None) -> list[str]:
+    """Wrap raw questions in the tokenizer's chat template (plain text if it has none). Rollouts,
+    in-stage evaluation, the final evaluation and the served pyfunc all render through this rule."""
     if getattr(tok, "chat_template", None):
-        return [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+        return [tok.apply_chat_template(chat_messages(p, system_prompt), tokenize=False,
                                         add_generation_prompt=True) for p in prompts]
-    return [f"{p}\n" for p in prompts]
+    prefix = "" if system_prompt is None else f"{system_prompt}\n"
+    return [f"{prefix}{p}\n" for p in prompts]
 
 
-def encode_prompts(tok, prompts: list[str], max_prompt_tokens: int, ids: list[str] | None = None):
+def encode_prompts(tok, prompts: list[str], max_prompt_tokens: int, ids: list[str] | None = None,
+                   system_prompt: str | None = None):
     """Left-padded ``input_ids, attention_mask`` [N, P]; an over-long prompt is an error."""
-    enc = tok(render_prompts(tok, prompts), return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = tok(render_prompts(tok, prompts, system_prompt), return_tensors="pt", padding=True,
+              add_special_tokens=False)
     lengths = enc["attention_mask"].sum(-1)
     too_long = (lengths > max_prompt_tokens).nonzero().flatten().tolist()
     if too_long:
@@ -58,17 +71,18 @@ def completion_mask(completion_ids: torch.Tensor, eos_id) -> tuple[torch.Tensor,
 
 def generate_rollouts(model, tok, rows: list[dict], group_size: int, *, temperature: float,
                       top_p: float, top_k: int, max_new_tokens: int, max_prompt_tokens: int,
-                      greedy: bool = False, engine: str = "auto", sampler: str = "inverse_cdf") -> RolloutBatch:
+                      greedy: bool = False, engine: str = "auto", sampler: str = "inverse_cdf",
+                      system_prompt: str | None = None) -> RolloutBatch:
     """Sample ``group_size`` completions for each row (group-contiguous).
 
     engine: "auto" (the shared-prefix decoder where ``decode.fast_decode_supported``, else
     generate), "fast" (insist on it) or "generate". sampler: the decoder's
-    (``decode.sample_shared_prefix``).
+    (``decode.sample_shared_prefix``). system_prompt: see ``render_prompts``.
     """
     if engine not in ("auto", "fast", "generate"):
         raise ValueError(f"engine must be 'auto', 'fast' or 'generate', got {engine!r}")
     prompts = [r["prompt"] for r in rows]
-    ids, mask = encode_prompts(tok, prompts, max_prompt_tokens, [r.get("id", "") for r in rows])
+    ids, mask = encode_prompts(tok, prompts, max_prompt_tokens, [r.get("id", "") for r in rows], system_prompt)
     ids, mask = ids.to(model.device), mask.to(model.device)                  # [N, P]
     fast = engine == "fast" or (engine == "auto" and decode.fast_decode_supported(model))
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)

@@ -42,13 +42,18 @@ class GreedyCausalLM(PythonModel):
         stop = [self.tok.eos_token_id] + [i for i in ([listed] if isinstance(listed, int) else listed or [])
                                           if i != self.tok.eos_token_id]
         self.model.generation_config = GenerationConfig(pad_token_id=self.tok.pad_token_id, eos_token_id=stop)
-        self.max_new_tokens = int((context.model_config or {}).get("max_new_tokens", 256))
+        config = context.model_config or {}
+        self.max_new_tokens = int(config.get("max_new_tokens", 256))
+        self.system_prompt = config.get("system_prompt")  # absent: the chat template's default system turn
 
     def render(self, question: str) -> str:
+        # the rule of grpo_core.rollout.render_prompts (this file must not import grpo_core)
+        turns = [{"role": "user", "content": question}]
+        if self.system_prompt is not None:
+            turns = [{"role": "system", "content": self.system_prompt}] + turns
         if getattr(self.tok, "chat_template", None):
-            return self.tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                                add_generation_prompt=True)
-        return question + "\\n"
+            return self.tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        return ("" if self.system_prompt is None else self.system_prompt + "\\n") + question + "\\n"
 
     def predict(self, context, model_input: list[str], params=None) -> list[str]:
         import torch
@@ -109,8 +114,10 @@ def _pip_requirements() -> list[str]:
     return [f"{p}=={ver(p)}" for p in ("mlflow", "torch", "transformers", "safetensors")]
 
 
-def log_pyfunc_model(uri: str, run_id: str, model_dir: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS):
-    """Log ``model_dir`` as a pyfunc LoggedModel attached to the run; returns ModelInfo."""
+def log_pyfunc_model(uri: str, run_id: str, model_dir: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                     system_prompt: str | None = None):
+    """Log ``model_dir`` as a pyfunc LoggedModel attached to the run; returns ModelInfo. It serves
+    with the evaluation's generation cap and system prompt (None: the chat template's default)."""
     import mlflow
     from mlflow.models import Model
 
@@ -126,4 +133,5 @@ def log_pyfunc_model(uri: str, run_id: str, model_dir: str, max_new_tokens: int 
                          model_id=logged.model_id,
                          python_model=str(code), artifacts={"model_dir": str(model_dir)},
                          pip_requirements=_pip_requirements(),
-                         model_config={"max_new_tokens": max_new_tokens})
+                         model_config={"max_new_tokens": max_new_tokens,
+                                       **({} if system_prompt is None else {"system_prompt": system_prompt})})

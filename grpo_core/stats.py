@@ -1,8 +1,8 @@
 """Small-sample statistics for evaluation and promotion decisions.
 
-Pure Python (``math`` only) so the evaluate and register steps can use it without scipy.
 Eval sets here are a few hundred items, so intervals and tests are exact or
-small-sample-correct rather than normal approximations of differences:
+small-sample-correct rather than normal approximations of differences (scipy does the
+distributions):
 
 - ``wilson_interval``: a binomial proportion interval that stays inside [0, 1] and behaves at
   0/n and n/n, unlike the Wald interval.
@@ -34,15 +34,11 @@ def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def binomial_two_sided_p(k: int, n: int) -> float:
-    """Exact two-sided p-value of k successes in n fair coin flips (doubling the smaller tail).
+    """Exact two-sided p-value of k successes in n fair coin flips (``scipy.stats.binomtest``;
+    for p = 1/2 the two tails are mirror images, so this is twice the smaller tail, at most 1)."""
+    from scipy.stats import binomtest
 
-    Integer arithmetic (``math.comb`` over ``2**n``) keeps it exact for any n we meet.
-    """
-    if n == 0:
-        return 1.0
-    k = min(k, n - k)
-    tail = sum(math.comb(n, i) for i in range(k + 1))
-    return min(1.0, 2 * tail / 2**n)
+    return 1.0 if n == 0 else float(binomtest(k, n, 0.5).pvalue)
 
 
 def mcnemar_exact(a: Sequence[bool], b: Sequence[bool]) -> dict:
@@ -91,26 +87,19 @@ def window_change(values: Sequence[float], window: int = 10, level: float = 0.95
     read the interval as optimistic. The window shrinks to a quarter of the values for short
     runs, so for two or more values the two windows never overlap.
     """
-    from scipy.stats import t as student_t
+    from scipy.stats import ttest_ind
 
     vals = [float(v) for v in values]
     k = max(1, min(window, len(vals) // 4)) if vals else 0
     if k == 0:
         raise ValueError("window_change needs at least one value")
     first, last = vals[:k], vals[-k:]
-
-    def mean_var(xs):
-        m = sum(xs) / len(xs)
-        return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else float("nan"))
-
-    (m1, v1), (m2, v2) = mean_var(first), mean_var(last)
-    half = float("nan")
+    m1, m2 = sum(first) / k, sum(last) / k
+    low = high = float("nan")
     if k > 1:
-        se2 = v1 / k + v2 / k
-        if se2 == 0:
-            half = 0.0
+        if max(first) == min(first) and max(last) == min(last):  # no spread: scipy returns nan
+            low = high = m2 - m1
         else:
-            df = se2 ** 2 / ((v1 / k) ** 2 / (k - 1) + (v2 / k) ** 2 / (k - 1))
-            half = float(student_t.ppf(0.5 + level / 2, df)) * math.sqrt(se2)
-    return {"window": k, "first": m1, "last": m2, "diff": m2 - m1,
-            "ci_low": m2 - m1 - half, "ci_high": m2 - m1 + half}
+            ci = ttest_ind(last, first, equal_var=False).confidence_interval(level)
+            low, high = float(ci.low), float(ci.high)
+    return {"window": k, "first": m1, "last": m2, "diff": m2 - m1, "ci_low": low, "ci_high": high}

@@ -12,13 +12,23 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import sys
 import time
 from collections.abc import Callable, Mapping
 
 from grpo_core.storage import atomic_write_text
-from grpo_core.tracking import (HTTP_ENV, METRICS_PER_BATCH, PARAMS_PER_BATCH, clean_tags, env_defaults,
-                                flatten_params, mlflow_client, read_jsonl, warn)
+from grpo_core.tracking import (
+    HTTP_ENV,
+    METRICS_PER_BATCH,
+    PARAMS_PER_BATCH,
+    clean_tags,
+    env_defaults,
+    flatten_params,
+    mlflow_client,
+    read_jsonl,
+    warn,
+)
 
 
 class Tracker:
@@ -31,6 +41,7 @@ class Tracker:
     def set_tags(self, tags: Mapping) -> None: ...
     def log_artifact(self, local_path: str, artifact_path: str | None = None) -> None: ...
     def log_dict(self, obj, artifact_file: str) -> None: ...
+    def log_table(self, data: Mapping[str, list], artifact_file: str) -> None: ...
     def flush(self) -> bool: return True  # noqa: E704
     def close(self) -> None: ...
     def __enter__(self): return self  # noqa: E704
@@ -102,6 +113,20 @@ class MlflowTracker(Tracker):
 
     def log_dict(self, obj, artifact_file: str) -> None:
         self._queue(f"dict {artifact_file}", lambda: self._client.log_dict(self.run_id, obj, artifact_file))
+
+    def log_table(self, data: Mapping[str, list], artifact_file: str) -> None:
+        """A table (columns of equal length) as a JSON artifact that ``mlflow.load_table`` reads and
+        the MLflow UI shows. Written once: MLflow appends to a table already at ``artifact_file``,
+        and a resumed stage that logs an iteration again would repeat its rows, so a table already
+        there is left as it is. Sent like ``log_dict`` (held while the server is down)."""
+        columns = {k: list(v) for k, v in data.items()}
+
+        def send() -> None:
+            folder = posixpath.dirname(artifact_file) or None
+            if artifact_file not in {f.path for f in self._client.list_artifacts(self.run_id, folder)}:
+                self._client.log_table(self.run_id, data=columns, artifact_file=artifact_file)
+
+        self._queue(f"table {artifact_file}", send)
 
     def _queue(self, what: str, fn: Callable[[], None]) -> None:
         self._artifacts.append((what, fn))

@@ -20,24 +20,41 @@ from pathlib import Path
 import torch
 
 from grpo_core import checkpoint, dist, storage
-from grpo_core.algorithm import (group_advantages, grpo_loss, informative_mask, masked_mean, micro_batch_weight,
-                                 std_from_moments)
+from grpo_core.algorithm import (
+    group_advantages,
+    grpo_loss,
+    informative_mask,
+    masked_mean,
+    micro_batch_weight,
+    std_from_moments,
+)
 from grpo_core.config import METRICS_FILE, ConfigError
 from grpo_core.data import PromptStream, eval_rows, train_rows
 from grpo_core.evaluate import greedy_results
 from grpo_core.health import divergence_alarm
-from grpo_core.models import (activation_checkpointing_paused, disable_dropout, enable_activation_checkpointing,
-                              load_policy, save_policy)
+from grpo_core.models import (
+    activation_checkpointing_paused,
+    disable_dropout,
+    enable_activation_checkpointing,
+    load_policy,
+    save_policy,
+)
 from grpo_core.objective import objective_card
 from grpo_core.rewards import RewardSpec, combine_rewards, resolve_specs
-from grpo_core.rollout import generate_rollouts
+from grpo_core.rollout import generate_rollouts, render_prompts
 from grpo_core.scoring import completion_logprobs
 from grpo_core.stats import window_change
 from grpo_core.tracking import plot_curves, read_jsonl
 from grpo_core.tracking_logger import open_tracker
 from grpo_core.types import RolloutBatch
-from grpo_core.update_parts import (MergedStats, compile_for_scoring, fused_adamw_ok, precision_context,
-                                   scored_without_grad, wrap_ddp)
+from grpo_core.update_parts import (
+    MergedStats,
+    compile_for_scoring,
+    fused_adamw_ok,
+    precision_context,
+    scored_without_grad,
+    wrap_ddp,
+)
 
 LOGGED_AT = "logged_at_ms"  # metrics.jsonl: when the row's points were logged (their MLflow timestamp)
 MAX_NONFINITE_IN_A_ROW = 3  # consecutive skipped updates before the stage stops with an error
@@ -49,6 +66,9 @@ class NonFiniteError(RuntimeError):
 
 def iteration_seed(seed: int, iteration: int, rank: int) -> int:
     return (seed * 1_000_003 + iteration * 7_919 + rank * 104_729) % (2**63 - 1)
+
+
+TIMED_PHASES = ("time_generate", "time_reward", "time_ref", "time_update")
 
 
 class Trainer:
@@ -91,6 +111,7 @@ class Trainer:
         self.eval_rows = eval_rows(cfg, cfg.eval_size) if (cfg.eval_every or cfg.gate_metric) else None
         self.state = {"iteration": 0, "data_position": 0, "nonfinite_in_a_row": 0,
                       "skipped_updates": 0, "gate_hits": 0, "history": []}
+        self.timings = dict.fromkeys(TIMED_PHASES, 0.0)  # seconds per phase of the current iteration
         self.spill_path = self.out / "pending_metrics.jsonl"  # tracking points the server did not take
         self.tracker = open_tracker(cfg.tracking_uri, cfg.tracking_run_id, info.rank, spill_path=str(self.spill_path))
 
@@ -181,7 +202,8 @@ class Trainer:
         with self._forward_only():
             batch = generate_rollouts(self.model, self.tok, rows, c.group_size, temperature=c.temperature,
                                       top_p=c.top_p, top_k=c.top_k, max_new_tokens=c.max_new_tokens,
-                                      max_prompt_tokens=c.max_prompt_tokens, sampler=c.sampler)
+                                      max_prompt_tokens=c.max_prompt_tokens, sampler=c.sampler,
+                                      system_prompt=c.system_prompt)
         t0 = time.perf_counter()
         cols = {k: v for k, v in batch.columns.items() if k not in ("id", "think")}
         total, parts = combine_rewards(self.rewards, batch.prompts, batch.completions, cols,
@@ -361,7 +383,8 @@ class Trainer:
         rows = self.eval_rows[self.info.rank::self.info.world_size]
         with self._forward_only():
             res = greedy_results(self.model, self.tok, rows, max_new_tokens=self.cfg.eval_max_new_tokens
-                                 or self.cfg.max_new_tokens, max_prompt_tokens=self.cfg.max_prompt_tokens)
+                                 or self.cfg.max_new_tokens, max_prompt_tokens=self.cfg.max_prompt_tokens,
+                                 system_prompt=self.cfg.system_prompt)
         right, total = dist.all_reduce_sum([sum(r["correct"] for r in res), len(res)], self.info.device)
         return right / max(total, 1)
 
@@ -388,10 +411,14 @@ class Trainer:
             self.tracker.log({"alarm/reward_task_divergence": 1.0}, step=m["iteration"])
             self.tracker.set_tags({"grpo.alarm": alarm})
         if m["iteration"] % self.cfg.sample_every == 0 or m["iteration"] == 1:
-            self.tracker.log_dict({"iteration": m["iteration"], "samples": [
-                {"prompt": p, "completion": t, "reward": r} for p, t, r in
-                zip(batch.prompts[:16], batch.completions[:16], batch.rewards.tolist()[:16])]},
-                f"samples/iter_{m['iteration']:06d}.json")
+            it, samples = m["iteration"], [{"prompt": p, "completion": t, "reward": r} for p, t, r in
+                                           zip(batch.prompts[:16], batch.completions[:16], batch.rewards.tolist()[:16])]
+            self.tracker.log_dict({"iteration": it, "samples": samples}, f"samples/iter_{it:06d}.json")
+            self.tracker.log_table({"iteration": [it] * len(samples), **{k: [s[k] for s in samples] for k in
+                                    ("prompt", "completion", "reward")}}, f"samples/iter_{it:06d}_table.json")
+            # the live training card reads it (pipeline.read_samples), MLflow or not
+            storage.atomic_write_text(self.out / "samples_latest.json",
+                                      json.dumps({"iteration": it, "samples": samples}))
         print(f"[{self.cfg.stage}] it {m['iteration']:4d} reward {m['reward']:.3f} "
               f"informative {m['informative_frac']:.2f} kl {m['kl']:.4f} len {m['completion_len']:.1f}"
               + (f" eval_acc {m['eval_accuracy']:.3f}" if "eval_accuracy" in m else ""), flush=True)
@@ -402,7 +429,8 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         start = self.resume()
         if self.info.is_main:
-            card = objective_card(c, self.info.world_size)
+            example = self.stream.take(0, 1)[0]["prompt"]
+            card = objective_card(c, self.info.world_size, render_prompts(self.tok, [example], c.system_prompt)[0])
             storage.atomic_write_text(self.out / "objective.json", json.dumps(card, indent=1))
             # only those the run lacks: a rerun of the step (even one that restarts at 0) reuses the
             # run, whose output_dir and other runtime params MLflow refuses to change
@@ -414,7 +442,7 @@ class Trainer:
         promoted = c.gate_metric is not None and self.state["gate_hits"] >= c.gate_patience
         it, last = start, start if promoted else c.iterations
         for it in range(start + 1, last + 1):
-            self.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
+            self.timings = dict.fromkeys(TIMED_PHASES, 0.0)
             seed = iteration_seed(c.seed, it, self.info.rank)
             torch.manual_seed(seed)
             random.seed(seed)  # reward functions that draw from ``random`` resume exactly too, on every rank

@@ -30,7 +30,7 @@ def compile_for_scoring(model):
     models. Its default limit (8) could be reached and silently fall back to eager, so it is raised.
     """
     try:
-        import torch._inductor.compile_fx  # noqa: F401  (torch.compile loads it; fail here, clearly)
+        import torch._inductor.compile_fx
     except TypeError as e:  # seen in a process where metaflow's vendored typing_extensions was loaded
         raise RuntimeError(
             f"compile_scoring: torch's compiler cannot be loaded in this process ({e}). Another copy of "

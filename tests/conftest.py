@@ -194,3 +194,11 @@ def s3_env(monkeypatch, s3_server) -> dict:
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     return env
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A saved 2-layer, hidden-64 Llama with the character tokenizer (shared by the trainer tests)."""
+    from tests.helpers import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")

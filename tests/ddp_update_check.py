@@ -18,12 +18,10 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from grpo_core import dist
+from grpo_core import dist, scoring
 from grpo_core.config import GRPOConfig
 from grpo_core.trainer import Trainer
 from tests.helpers import fixed_rollout_batch
-
-from grpo_core import scoring
 
 model_dir, out_file, loss_type, prompts, scale = sys.argv[1:6]
 micro_batch_groups = int(sys.argv[6]) if len(sys.argv) > 6 else 0

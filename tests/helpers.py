@@ -8,7 +8,12 @@ import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
-GSM8K_DIR = Path(__import__("os").environ.get("GSM8K_DIR", REPO.parent / "shared" / "data" / "gsm8k")).resolve()
+# GSM8K_DIR unset or empty (README's commands leave it empty without ../shared): the shared copy's place
+GSM8K_DIR = Path(__import__("os").environ.get("GSM8K_DIR") or REPO.parent / "shared" / "data" / "gsm8k").resolve()
+
+
+SEVENS = [{"fn": "grpo_core.rewards:target_char_fraction", "weight": 1.0}]
+"""A dense, learnable reward ("emit the character 7") for trainer tests."""
 
 
 def tiny_model_dir(path: Path, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:

@@ -7,9 +7,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import bench_grpo  # noqa: E402
-import gpu_check  # noqa: E402
-import lockstep  # noqa: E402
+import bench_grpo
+import gpu_check
+import lockstep
 
 
 def test_summary_and_paired_ratios_from_synthetic_runs():

@@ -74,7 +74,7 @@ def _toml(name: str) -> dict:
         return tomllib.load(f)
 
 
-@pytest.mark.parametrize("name", ["local.toml", "kubernetes.toml"])
+@pytest.mark.parametrize("name", ["local.toml", "tiny.toml", "kubernetes.toml"])
 def test_shipped_configs_validate(name):
     pc = PipelineConfig.from_dict(_toml(name))
     assert pc.name == name.removesuffix(".toml")

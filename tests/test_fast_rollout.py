@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from grpo_core.models import build_tiny
 from grpo_core.decode import fast_decode_supported, sample_inverse_cdf, sample_shared_prefix
+from grpo_core.models import build_tiny
 from grpo_core.rollout import _generate, completion_mask, encode_prompts, generate_rollouts
 from grpo_core.scoring import completion_logprobs, groups_share_prompts, length_chunks
 from grpo_core.types import RolloutBatch
@@ -37,7 +37,8 @@ LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0}  # a scaled variant whose p
 
 
 @pytest.mark.parametrize("arch,kv,rope", [("llama", None, None), ("qwen2", None, None), ("qwen2", 2, None),
-                                          ("llama", 2, LINEAR_ROPE)], ids=["llama", "qwen2", "qwen2-gqa", "linear-rope-gqa"])
+                                          ("llama", 2, LINEAR_ROPE)],
+                         ids=["llama", "qwen2", "qwen2-gqa", "linear-rope-gqa"])
 def test_greedy_tokens_equal_generate(arch, kv, rope):
     model, tok = _model(arch, kv, rope)
     assert fast_decode_supported(model)

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs GSM8K_DIR 
 
 
 def tiny_config(root, **overrides) -> dict:
-    with open(REPO / "flows" / "configs" / "local.toml", "rb") as f:
+    with open(REPO / "flows" / "configs" / "tiny.toml", "rb") as f:
         base = tomllib.load(f)
     cfg = deep_merge(base, TINY)
     cfg.update(storage_root=str(root / "store"), tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
@@ -156,7 +156,8 @@ def test_mlflow_records_every_stage_without_duplicate_steps(crashed_and_resumed)
     assert children["curriculum"].data.metrics["reward_trend/window"] >= 1
     ev = children["evaluate"].data.metrics
     assert 0.0 <= ev["eval/gsm8k_test/accuracy"] <= 1.0
-    assert ev["eval/gsm8k_test/accuracy_ci_low"] <= ev["eval/gsm8k_test/accuracy"] <= ev["eval/gsm8k_test/accuracy_ci_high"]
+    acc = "eval/gsm8k_test/accuracy"
+    assert ev[f"{acc}_ci_low"] <= ev[acc] <= ev[f"{acc}_ci_high"]
     assert "eval/arith_holdout/sft/accuracy" in ev
     version = client.get_model_version("grpo-gsm8k", run["register"].task["registry"].data["version"])
     assert version.tags["grpo.config"] == "tiny"
@@ -224,7 +225,8 @@ def test_a_launcher_storage_root_override_reaches_the_pods(tmp_path):
     """The TOML keeps a local storage_root, the launcher exports an s3:// GRPO_STORAGE_ROOT: each
     pod step gets it through @environment (its config validation would refuse the local root)."""
     with open(K8S_CFG, "rb") as f:
-        text = f.read().decode().replace('storage_root = "s3://grpo-artifacts/pipeline"', 'storage_root = ".grpo/artifacts"')
+        text = f.read().decode().replace('storage_root = "s3://grpo-artifacts/pipeline"',
+                                         'storage_root = ".grpo/artifacts"')
     local_root = tmp_path / "k8s_local_root.toml"
     local_root.write_text(text)
     graph = _output_raw(tmp_path, "--config", "cfg", str(local_root),

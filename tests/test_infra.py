@@ -392,9 +392,9 @@ def test_requirements_torch_pin_matches_the_base_image():
 
 
 def test_build_context_is_allow_listed():
-    lines = [l.strip() for l in (INFRA / "Dockerfile.dockerignore").read_text().splitlines()
-             if l.strip() and not l.startswith("#")]
+    lines = [ln.strip() for ln in (INFRA / "Dockerfile.dockerignore").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
     assert lines[0] == "*"
-    allowed = {l[1:].rstrip("/") for l in lines if l.startswith("!")}
+    allowed = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
     assert {"requirements.txt", "pyproject.toml", "grpo_core"} <= allowed
     assert not allowed & {".venv", ".git", ".grpo", "outputs", "mfhome"}

@@ -13,14 +13,7 @@ from safetensors.torch import load_file
 
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.train import load_config, main
-from tests.helpers import fixed_rollout_batch, stage_args, tiny_model_dir
-
-SEVENS = [{"fn": "grpo_core.rewards:target_char_fraction", "weight": 1.0}]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+from tests.helpers import SEVENS, fixed_rollout_batch, stage_args
 
 
 def _stage(tiny, out, **kw):

@@ -10,7 +10,7 @@ import pytest
 
 from grpo_core.registry import aliases_by_version, decide_promotion, main, register_model
 from grpo_core.served_model import load_model
-from grpo_core.tracking import start_parent_run
+from grpo_core.tracking import mlflow_client, start_parent_run
 
 pytestmark = pytest.mark.usefixtures("no_cwd_writes")  # MLflow must never fall back to the cwd
 
@@ -104,7 +104,7 @@ def test_registry_flow_sqlite(sqlite_uri, model_dir, capsys):
         5: ["champion"], 3: ["previous-champion"], 4: ["challenger"]}
     mv = client.get_model_version(name, "5")
     assert mv.tags["eval.gsm8k_test.accuracy"] == str(51 / 60)
-    assert float(mv.tags["eval.gsm8k_test.ci95_low"]) < 51 / 60 < float(mv.tags["eval.gsm8k_test.ci95_high"])
+    assert float(mv.tags["eval.gsm8k_test.ci_low"]) < 51 / 60 < float(mv.tags["eval.gsm8k_test.ci_high"])
     assert mv.tags["decision"] == "promoted" and mv.tags["compared_items"] == "60"
     assert mv.tags["eval_set"] == "gsm8k_test" and v5["eval_set"] == "gsm8k_test"  # what the p-value is about
     assert mv.tags["dataset.gsm8k_test.digest"] == "gsm8k-test-v1" and "pw" not in mv.tags["s3_uri"]
@@ -154,8 +154,9 @@ def test_a_registration_landing_mid_decision_is_decided_against(sqlite_uri, mode
     """v3 (much better) is registered and promoted while v2 (worse than v3, better than v1) is
     being decided against v1: v2 decides again against v3 and stays challenger, so the best
     model keeps @champion (it used to end with v2 champion and v3 with no alias)."""
-    import grpo_core.registry as registry
     from mlflow import MlflowClient
+
+    import grpo_core.registry as registry
 
     name = "grpo-race"
     assert _register(sqlite_uri, model_dir, 10, name=name)["decision"] == "first"
@@ -180,8 +181,9 @@ def test_a_champion_that_keeps_moving_leaves_the_version_challenger(sqlite_uri, 
     """A better model lands during each of the MAX_DECISIONS decisions: the version was never
     compared with the champion it would replace, so it stays challenger instead of taking
     @champion on a stale comparison."""
-    import grpo_core.registry as registry
     from mlflow import MlflowClient
+
+    import grpo_core.registry as registry
 
     name = "grpo-race-busy"
     assert _register(sqlite_uri, model_dir, 10, name=name)["decision"] == "first"
@@ -272,3 +274,45 @@ def test_registered_model_answers_as_the_evaluation_measured(sqlite_uri, model_d
         ids = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
         naive.append(tok.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
     assert naive != served
+
+
+def test_served_model_renders_the_stages_system_prompt(sqlite_uri, tmp_path):
+    """A stage's system prompt travels with the registered model: the pyfunc answers exactly as the
+    evaluation (and so the rollouts, which render through the same rule) did with that prompt, and
+    differently from the same model without it."""
+    import torch
+
+    from grpo_core.evaluate import greedy_results
+    from grpo_core.models import build_tiny, load_policy, save_policy
+
+    model, tok = build_tiny(hidden=32, layers=1, heads=2, seed=3)
+    torch.manual_seed(1)
+    with torch.no_grad():  # large random weights: argmax far from ties, answers depend on the prompt
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    checkpoint = save_policy(model, tok, tmp_path / "checkpoint")
+    model, tok = load_policy(str(checkpoint))
+    questions = ["What is 3 + 4?", "What is 12 * 2?"]
+    rows = [{"id": q, "prompt": q, "gold": "0"} for q in questions]
+    system = "Reply with the number."
+    decision = register_model(sqlite_uri, start_parent_run(sqlite_uri, "grpo-registry", {}), str(checkpoint),
+                              "grpo-system", eval_items=evals(30), tags={}, rule="always", max_new_tokens=8,
+                              system_prompt=system)
+    assert decision["decision"] in ("first", "promoted")
+    served = load_model(sqlite_uri, "grpo-system").predict(questions)
+    with_system = [r["completion"] for r in greedy_results(model, tok, rows, max_new_tokens=8, system_prompt=system)]
+    without = [r["completion"] for r in greedy_results(model, tok, rows, max_new_tokens=8)]
+    assert served == with_system
+    assert with_system != without  # the test can tell the prompts apart
+
+
+@pytest.mark.parametrize("n_right,start_right,decision", [(45, 20, "promoted"), (22, 20, "challenger")])
+def test_first_version_must_beat_the_start_model(sqlite_uri, model_dir, n_right, start_right, decision):
+    """With no champion yet, the start model's results are the bar: the same paired test decides.
+    45 vs 20 right (25 gained, 0 lost) is significant; 22 vs 20 is not, and no champion is set."""
+    name = f"grpo-first-{n_right}"
+    result = _register(sqlite_uri, model_dir, n_right, name=name, baseline_items=items(start_right))
+    assert result["decision"] == decision and result["compared_items"] == N
+    assert "against the start model" in result["reason"]
+    aliases = aliases_by_version(mlflow_client(sqlite_uri), name)
+    assert aliases == ({1: ["champion"]} if decision == "promoted" else {1: ["challenger"]})

@@ -6,8 +6,8 @@ docs/reliability.md maps every fault to its test.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import signal
 import socket
@@ -30,15 +30,10 @@ from grpo_core.train import main
 from grpo_core.trainer import NonFiniteError
 from tests import faulty_rewards
 from tests.conftest import S3_ENV, free_port, start_moto
-from tests.helpers import REPO, same_weights, stage_args, tiny_model_dir
+from tests.helpers import REPO, SEVENS, same_weights, stage_args
 
-SEVENS = [{"fn": "grpo_core.rewards:target_char_fraction", "weight": 1.0}]
 TORCHRUN_TIMEOUT_S = 240
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", hidden=32, layers=1)
 
 
 def _stage(tiny, out, **kw) -> list[str]:
@@ -563,7 +558,8 @@ def test_checkpoints_and_saved_models_reach_the_disk_before_their_rename(tmp_pat
     ({"gsm8k": {"group_size": 1}}, r"stage 'gsm8k'\.group_size.*group_size >= 2"),
     ({"curriculum": {"clip_low": -0.2}}, r"stage 'curriculum'\.clip_low: must be >= 0"),
     ({"sft": {"hidden": "64"}}, r"config\.sft\.hidden = '64' has type str; expected <class 'int'>"),
-    ({"compute": {"nproc_per_nodes": 2}}, r"unknown field config\.compute\.nproc_per_nodes\. Did you mean 'nproc_per_node'"),
+    ({"compute": {"nproc_per_nodes": 2}},
+     r"unknown field config\.compute\.nproc_per_nodes\. Did you mean 'nproc_per_node'"),
     ({"curriculm": {}}, r"Did you mean 'curriculum'"),
     ({"evaluate": {"gsm8k_size": -1}}, r"register\.primary: 'gsm8k_test' is not evaluated \(evaluate\.gsm8k_size = -1"),
 ])
@@ -618,7 +614,8 @@ def test_bad_gsm8k_row_stops_a_stage_before_anything_is_written(tiny, tmp_path, 
 
 
 def test_wrong_length_reward_stops_before_any_update_or_checkpoint(tiny, tmp_path):
-    with pytest.raises(ValueError, match=r"'tests\.faulty_rewards:wrong_length' returned 15 values, expected a list of 16"):
+    with pytest.raises(ValueError,
+                       match=r"'tests\.faulty_rewards:wrong_length' returned 15 values, expected a list of 16"):
         main(_stage(tiny, tmp_path, rewards=[{"fn": "tests.faulty_rewards:wrong_length"}]))
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
 

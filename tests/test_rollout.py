@@ -107,7 +107,8 @@ def test_rollouts_stop_at_a_turn_end_token_the_generation_config_lists(engine):
     stopped = generate_rollouts(model, tok, ROWS[:1], 1, **greedy)
     assert stopped.completion_mask.sum().item() == 3 and not stopped.truncated.any()
     assert stopped.completion_ids[0, :3].tolist() == free.completion_ids[0, :3].tolist()
-    assert free.completions[0].startswith(stopped.completions[0]) and len(stopped.completions[0]) < len(free.completions[0])
+    assert free.completions[0].startswith(stopped.completions[0])
+    assert len(stopped.completions[0]) < len(free.completions[0])
 
 
 def test_rollout_batch_is_group_contiguous_with_columns():

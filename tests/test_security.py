@@ -15,9 +15,9 @@ import torch
 
 from grpo_core import checkpoint
 from grpo_core.config import GRPOConfig
-from grpo_core.pipeline_config import PipelineConfig
 from grpo_core.models import load_policy
-from tests.helpers import GSM8K_DIR, tiny_model_dir
+from grpo_core.pipeline_config import PipelineConfig
+from tests.helpers import GSM8K_DIR
 
 
 class CodeOnUnpickle:
@@ -37,10 +37,6 @@ def _payload(path: Path, marker: Path) -> None:
     assert marker.exists(), "the payload should run code when unpickled without weights_only"
     marker.unlink()
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", hidden=32, layers=1)
 
 
 def test_pickle_weights_are_refused_without_unpickling(tiny, tmp_path):

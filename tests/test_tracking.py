@@ -7,7 +7,6 @@ import signal
 
 import pytest
 
-from grpo_core.tracking_logger import MlflowTracker, Tracker, open_tracker
 from grpo_core.tracking import (
     finish_run,
     flatten_params,
@@ -17,6 +16,7 @@ from grpo_core.tracking import (
     start_child_run,
     start_parent_run,
 )
+from grpo_core.tracking_logger import MlflowTracker, Tracker, open_tracker
 
 pytestmark = pytest.mark.usefixtures("no_cwd_writes")  # MLflow must never fall back to the cwd
 
@@ -157,6 +157,34 @@ def test_tracker_metrics_params_dataset_artifacts(uri, tmp_path, capsys):
     assert again.flush() is True and client.get_run(run_id).data.params["train.lr"] == "1e-06"
 
 
+def test_log_table_writes_a_table_mlflow_reads_once(sqlite_uri):
+    """Sampled completions as an MLflow table: ``mlflow.load_table`` reads it back; a resumed stage
+    logging the same iteration again adds no second copy of its rows (MLflow's log_table appends)."""
+    run_id = start_parent_run(sqlite_uri, "grpo-test", {})
+    table = {"iteration": [10, 10], "prompt": ["1+1?", "2+2?"], "completion": ["<answer>2</answer>", "5"],
+             "reward": [1.0, 0.0]}
+    tracker = MlflowTracker(sqlite_uri, run_id)
+    tracker.log_table(table, "samples/iter_000010_table.json")
+    tracker.log_table(table, "samples/iter_000010_table.json")
+    tracker.close()
+    Tracker().log_table(table, "samples/iter_000010_table.json")  # the no-op tracker takes it too
+    run = _client(sqlite_uri).get_run(run_id)
+    assert _load_table(sqlite_uri, run, "samples/iter_000010_table.json").to_dict("list") == table
+    logged = json.loads(run.data.tags["mlflow.loggedArtifacts"])
+    assert {"path": "samples/iter_000010_table.json", "type": "table"} in logged  # the UI lists it as a table
+
+
+def _load_table(uri, run, artifact_file):
+    """``mlflow.load_table`` as a user calls it: it searches the runs with the process-wide
+    tracking URI and experiment (MlflowClient.load_table does too, whatever client it is on)."""
+    import mlflow
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        mp.setenv("MLFLOW_EXPERIMENT_ID", run.info.experiment_id)
+        return mlflow.load_table(artifact_file, run_ids=[run.info.run_id])
+
+
 # ---------------------------------------------------------------- outage
 
 
@@ -236,3 +264,6 @@ def test_a_rerun_of_the_evaluation_logging_adds_no_second_point(sqlite_uri):
     run = client.search_runs([client.get_run(parent).info.experiment_id], "tags.`grpo.stage` = 'evaluate'")[0]
     for key, value in (("eval/arith_holdout/sft/accuracy", 0.25), ("eval/arith_holdout/accuracy", 0.5)):
         assert [m.value for m in client.get_metric_history(run.info.run_id, key)] == [value], key
+    items = _load_table(sqlite_uri, run, "eval/gsm8k/items_arith_holdout_table.json")  # per item, once
+    assert list(items.columns) == ["item_id", "correct", "gold", "truncated", "completion"]
+    assert items[["item_id", "correct"]].to_dict("list") == {"item_id": ["a"], "correct": [True]}

@@ -11,14 +11,7 @@ from safetensors.torch import load_file
 
 from grpo_core.config import ConfigError
 from grpo_core.train import load_config, main
-from tests.helpers import REPO, same_weights, stage_args, tiny_model_dir
-
-SEVENS = [{"fn": "grpo_core.rewards:target_char_fraction", "weight": 1.0}]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+from tests.helpers import REPO, SEVENS, same_weights, stage_args
 
 
 def test_learns_a_learnable_reward(tiny, tmp_path):
@@ -122,7 +115,8 @@ def test_a_copy_cut_short_is_republished_and_the_chain_reaches_the_first_attempt
         main(_stage(tiny, tmp_path / "A", sync_uri=sync["A"], fail_at_iteration=5))
     partial = Path(sync["B"]) / "checkpoints" / "ckpt-000004"
     partial.mkdir(parents=True)
-    shutil.copyfile(Path(sync["A"]) / "checkpoints" / "ckpt-000004" / "model.safetensors", partial / "model.safetensors")
+    shutil.copyfile(Path(sync["A"]) / "checkpoints" / "ckpt-000004" / "model.safetensors",
+                    partial / "model.safetensors")
     storage.write_text(storage.join(sync["B"], RESUME_CHAIN), json.dumps([sync["A"]]))
     assert resume_chain(sync["B"]) == [sync["B"], sync["A"]]
     resumed = main(_stage(tiny, tmp_path / "C", sync_uri=sync["C"], resume_from=[sync["C"], *resume_chain(sync["B"])],
@@ -523,3 +517,42 @@ def test_end_worker_process_exits_0_with_output_flushed_only_under_torchrun(unde
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO,
                          env={**env, "PYTHONPATH": str(REPO)}, timeout=120)
     assert (out.returncode, out.stdout, out.stderr) == ((0 if under_torchrun else 3), "out", "err")
+
+
+def test_system_prompt_reaches_rollouts_evaluation_and_the_objective_card(tiny, tmp_path):
+    """A stage's system prompt is in every prompt it samples and evaluates, and the objective card and
+    MLflow params carry one prompt exactly as rendered. Rollouts and in-stage evaluation both
+    sample through ``rollout.render_prompts``; the samples log shows which prompt text was used."""
+    from transformers import AutoTokenizer
+
+    from grpo_core.rollout import render_prompts
+
+    system = "You add numbers."
+    main(_stage(tiny, tmp_path, iterations=1, mu=1, system_prompt=system, eval_every=1, eval_size=4,
+                task="arithmetic"))
+    card = json.loads((tmp_path / "objective.json").read_text())
+    assert card["system_prompt"] == system
+    rendered = card["rendered_prompt_example"]
+    assert rendered.startswith(f"{system}\nUser: What is ") and rendered.endswith("\nAssistant: ")
+    tok = AutoTokenizer.from_pretrained(tiny)
+    question = rendered.removeprefix(f"{system}\nUser: ").removesuffix("\nAssistant: ")
+    assert render_prompts(tok, [question], system) == [rendered]
+    assert render_prompts(tok, [question]) != [rendered]  # no system turn without one
+
+    from grpo_core import dist
+    from grpo_core.trainer import Trainer
+
+    cfg = load_config(None, [a.removeprefix("--set=") for a in
+                             _stage(tiny, tmp_path / "again", system_prompt=system, task="arithmetic")])
+    info = dist.init(cfg.collective_timeout_s)
+    try:
+        batch, _ = Trainer(cfg, info).rollout()
+    finally:
+        dist.cleanup()
+    sampled = tok.batch_decode(batch.prompt_ids, skip_special_tokens=True)
+    assert all(p.startswith(f"{system}\nUser: What is ") for p in sampled), sampled[:2]
+
+
+def test_empty_system_prompt_is_refused():
+    with pytest.raises(ConfigError, match=r"system_prompt: is empty; omit it"):
+        load_config(None, [a.removeprefix("--set=") for a in stage_args(model="m", system_prompt=" ")])

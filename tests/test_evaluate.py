@@ -1,0 +1,61 @@
+"""Evaluation records: truncation share, the pairing with the start model, the summary table."""
+import pytest
+
+from grpo_core.evaluate import compare_to_start, summarize
+from grpo_core.pipeline import paired_with_start, summary_table
+from grpo_core.pipeline_config import EvalConfig
+
+
+def _items(correct, truncated=None):
+    truncated = truncated or [False] * len(correct)
+    return [{"item_id": f"i{k}", "correct": c, "gold": "1", "completion": "", "truncated": t}
+            for k, (c, t) in enumerate(zip(correct, truncated))]
+
+
+def test_summary_counts_answers_cut_by_the_generation_cap():
+    s = summarize(_items([True, False, True, False], [False, True, True, False]))
+    assert (s["accuracy"], s["correct"], s["n"], s["truncated_frac"]) == (0.5, 2, 4, 0.5)
+
+
+def test_comparison_with_the_start_model_is_paired_by_item():
+    # start right on i0,i1; later right on i1..i9: 8 gained, 1 lost -> two-sided binomial(9, 1/2)
+    start = _items([True, True] + [False] * 8)
+    later = list(reversed(_items([False] + [True] * 9)))  # order must not matter, ids pair them
+    got = compare_to_start(start, later)
+    assert (got["gained"], got["lost"]) == (8, 1)
+    assert got["delta"] == pytest.approx((9 - 2) / 10)
+    assert got["p_value"] == pytest.approx(2 * (1 + 9) / 2**9)  # P(X <= 1) twice: (C(9,0)+C(9,1)) / 2^9
+
+
+def test_comparison_refuses_different_items():
+    with pytest.raises(ValueError, match="1 items are in only one"):
+        compare_to_start(_items([True, False]), _items([True, False, True]))
+
+
+def test_stage_table_pairs_every_stage_with_the_start_row():
+    def result(stage, correct, cut):
+        items = {"arith_holdout": _items(correct, cut)}
+        return {"stage": stage, "items": items, "summary": {"arith_holdout": summarize(items["arith_holdout"])}}
+
+    results = paired_with_start([result("sft", [True] + [False] * 9, [True] + [False] * 9),
+                                 result("curriculum", [True] * 9 + [False], [False] * 10),
+                                 result("gsm8k", [True] * 8 + [False] * 2, [False] * 10)])
+    # gsm8k against the curriculum: 1 lost, 0 gained -> p = 1; against the start: 7 gained
+    assert results[2]["vs_previous"]["arith_holdout"] == {"delta": pytest.approx(-0.1), "p_value": 1.0,
+                                                          "gained": 0, "lost": 1, "stage": "curriculum"}
+    assert results[2]["vs_start"]["arith_holdout"]["gained"] == 7
+    assert "vs_start" not in results[0]
+    assert results[1]["vs_start"]["arith_holdout"]["gained"] == 8
+    stage = {"iterations_run": 3, "last": {"informative_frac": 0.5}}
+    table = summary_table(results, stage, stage, {"model_name": "m", "version": 1, "decision": "first"})
+    start_line = next(ln for ln in table.splitlines() if ln.strip().startswith("sft"))
+    cur_line = next(ln for ln in table.splitlines() if ln.strip().startswith("curriculum "))
+    assert "10.0%" in start_line and "-" in start_line
+    assert "+0.800" in cur_line and "0.0078" in cur_line  # 8 gained, 0 lost: 2 / 2^8
+    assert results[1]["vs_previous"]["arith_holdout"]["stage"] == "sft"
+
+
+def test_gsm8k_gets_its_own_generation_cap():
+    e = EvalConfig(max_new_tokens=128, gsm8k_max_new_tokens=384)
+    assert (e.budget("arith_holdout"), e.budget("gsm8k_test")) == (128, 384)
+    assert EvalConfig(max_new_tokens=96).budget("gsm8k_test") == 96
