@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from grpo_core import dist  # noqa: E402
-from grpo_core.algorithm import group_advantages, grpo_loss, token_logprobs  # noqa: E402
+from grpo_core.algorithm import group_advantages, token_logprobs  # noqa: E402
 from grpo_core.decode import sample_inverse_cdf, sample_shared_prefix  # noqa: E402
+from grpo_core.losses import grpo_loss  # noqa: E402
 from grpo_core.rollout import _generate, completion_mask  # noqa: E402
 from grpo_core.scoring import completion_logprobs, groups_share_prompts, length_chunks  # noqa: E402
 from grpo_core.types import RolloutBatch  # noqa: E402

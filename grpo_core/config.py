@@ -17,7 +17,6 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 SCALES = ("group", "batch", "none")
 TASKS = ("arithmetic", "gsm8k")
 SAMPLERS = ("inverse_cdf", "multinomial")
@@ -89,6 +88,14 @@ def require(cond: bool, where: str, msg: str):
         raise ConfigError(f"{where}: {msg}")
 
 
+def loss_type_names() -> tuple[str, ...]:
+    """The loss entries' names. Imported when a stage config is validated, not at module load, so
+    that parsing a config (the flow's command line) does not import torch."""
+    from grpo_core.losses import LOSS_TYPES
+
+    return tuple(LOSS_TYPES)
+
+
 def check_choice(value, allowed, where):
     require(value in allowed, where, f"{value!r} is not allowed; use one of {', '.join(map(str, allowed))}")
 
@@ -155,11 +162,13 @@ class GRPOConfig:
     beta: float = 0.04
     """KL coefficient (k3 estimator, per token); 0 skips the reference model entirely."""
     clip_low: float = 0.2
-    """PPO clip epsilon below 1."""
+    """Clip epsilon below 1 (the ratio's lower bound is 1 - clip_low; for cispo, the IS weight's)."""
     clip_high: float | None = None
-    """PPO clip epsilon above 1 (DAPO clip-higher); None means clip_low."""
+    """Clip epsilon above 1 (DAPO clip-higher); None means clip_low."""
     loss_type: str = "dapo"
-    """Token aggregation: grpo | bnpo | dapo | dr_grpo (see algorithm.grpo_loss)."""
+    """The policy loss, one entry of `losses.LOSS_TYPES`: grpo | bnpo | dapo | dr_grpo (PPO clip per
+    token, four aggregations), gspo (one clipped ratio per sequence), cispo (clipped, detached IS
+    weight per token)."""
     scale: str = "group"
     """Advantage scale: group std | batch std | none (Dr. GRPO)."""
     adv_eps: float = 1e-4
@@ -250,7 +259,7 @@ class GRPOConfig:
     def __post_init__(self):
         w = f"stage '{self.stage}'"
         check_choice(self.task, TASKS, f"{w}.task")
-        check_choice(self.loss_type, LOSS_TYPES, f"{w}.loss_type")
+        check_choice(self.loss_type, loss_type_names(), f"{w}.loss_type")
         check_choice(self.scale, SCALES, f"{w}.scale")
         check_choice(self.sampler, SAMPLERS, f"{w}.sampler")
         check_choice(self.precision, PRECISIONS, f"{w}.precision")
@@ -286,7 +295,7 @@ class GRPOConfig:
             require(self.gate_metric not in FRACTION_METRICS or self.gate_threshold <= 1, f"{w}.gate_threshold",
                      f"{self.gate_threshold} can never be reached: {self.gate_metric} is a fraction (at most 1), so "
                      "the gate would never promote; use a threshold in [0, 1]")
-        require(self.loss_type == "grpo" or self.mu >= 1, w, "mu must be >= 1")
+        require(self.mu >= 1, f"{w}.mu", f"must be >= 1 (updates per rollout batch), got {self.mu}")
         require(self.system_prompt is None or bool(self.system_prompt.strip()), f"{w}.system_prompt",
                  "is empty; omit it to keep the chat template's default system message, or give the text")
         require(bool(self.rewards), f"{w}.rewards", "needs at least one {fn, weight} entry")

@@ -6,12 +6,8 @@ our choices so two runs or two libraries can be compared honestly.
 """
 from __future__ import annotations
 
-NORMALISERS = {
-    "grpo": "mean over each sequence's tokens, then mean over all ranks' sequences (DeepSeekMath)",
-    "bnpo": "sum over masked tokens / masked-token count of the local batch",
-    "dapo": "sum over masked tokens / masked-token count of the global batch (all-reduced over ranks)",
-    "dr_grpo": "sum over masked tokens / (all ranks' sequences x max_completion_length) (Dr. GRPO)",
-}
+from grpo_core.losses import loss_entry
+
 SCALES = {"group": "(r - group mean) / (group std + eps)",
           "batch": "(r - group mean) / (std over all ranks' rewards + eps)",
           "none": "r - group mean (Dr. GRPO)"}
@@ -21,13 +17,14 @@ def objective_card(cfg, world_size: int, rendered_prompt: str | None = None) -> 
     """The stage's objective; ``rendered_prompt``: one training prompt exactly as the policy sees it
     (chat template and system message applied), so the prompt format is on record too."""
     clip_high = cfg.clip_low if cfg.clip_high is None else cfg.clip_high
+    loss = loss_entry(cfg.loss_type)
     return {
         "loss_type": cfg.loss_type,
-        "normaliser": NORMALISERS[cfg.loss_type],
+        "normaliser": loss.normaliser,
         "advantage": SCALES[cfg.scale],
         "advantage_std": "Bessel-corrected (n-1)",
         "advantage_eps": cfg.adv_eps,
-        "surrogate": f"-min(r*A, clip(r, {1 - cfg.clip_low:g}, {1 + clip_high:g})*A), r = exp(logp - old_logp)",
+        "surrogate": loss.surrogate.format(lo=f"{1 - cfg.clip_low:g}", hi=f"{1 + clip_high:g}"),
         "kl_estimator": "k3 = exp(ref - logp) - (ref - logp) - 1, per token, not importance-weighted"
                         if cfg.beta > 0 else "none (beta = 0, no reference model)",
         "beta": cfg.beta,

@@ -20,18 +20,12 @@ from pathlib import Path
 import torch
 
 from grpo_core import checkpoint, dist, storage
-from grpo_core.algorithm import (
-    group_advantages,
-    grpo_loss,
-    informative_mask,
-    masked_mean,
-    micro_batch_weight,
-    std_from_moments,
-)
+from grpo_core.algorithm import group_advantages, informative_mask, masked_mean, std_from_moments
 from grpo_core.config import METRICS_FILE, ConfigError
 from grpo_core.data import PromptStream, eval_rows, train_rows
 from grpo_core.evaluate import greedy_results
 from grpo_core.health import divergence_alarm
+from grpo_core.losses import grpo_loss, micro_batch_weight
 from grpo_core.models import (
     activation_checkpointing_paused,
     disable_dropout,

@@ -1,23 +1,24 @@
-"""Tests for grpo_core.algorithm: hand-computed values, a float64 loop reference, DDP split invariance."""
+"""Tests for grpo_core.algorithm and grpo_core.losses: hand-computed values, a float64 loop reference
+for every loss entry, DDP and micro-batch split invariance."""
 
 import math
 
 import pytest
 import torch
 
+from grpo_core import losses
 from grpo_core.algorithm import (
     MAX_LOG_RATIO,
     group_advantages,
-    grpo_loss,
     informative_mask,
     k3_kl,
     masked_mean,
-    micro_batch_weight,
     token_entropy,
     token_logprobs,
 )
+from grpo_core.losses import grpo_loss, micro_batch_weight
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+LOSS_TYPES = tuple(losses.LOSS_TYPES)
 SCALES = ("group", "batch", "none")
 MAX_LEN = 7  # dr_grpo's constant denominator in the reference tests
 
@@ -46,27 +47,50 @@ def ref_advantages(rewards, G, scale, eps=1e-4):
     return out
 
 
+def _ref_clip(r, lo, hi):
+    """clip(r, lo, hi) on a 0-d tensor, the bound as a constant (no gradient) when it applies."""
+    if r.item() < lo:
+        return torch.tensor(lo, dtype=torch.float64)
+    if r.item() > hi:
+        return torch.tensor(hi, dtype=torch.float64)
+    return r
+
+
+def _ref_ppo(r, rc, A):
+    unclipped, clipped = r * A, rc * A
+    return -clipped if clipped.item() < unclipped.item() else -unclipped
+
+
 def ref_loss(logp, old, ref, adv, mask, clip_low, clip_high, beta, loss_type, max_len=None):
-    """Token-by-token loss on 0-d tensors so autograd gives the reference gradient; returns (loss, clip counts)."""
+    """Token-by-token loss on 0-d tensors so autograd gives the reference gradient; returns (loss, clip counts).
+
+    grpo/bnpo/dapo/dr_grpo: PPO clip per token; gspo: one ratio per sequence, exp of the mean
+    log-ratio, on every token of it; cispo: -clip(r).detached * A * logp per token."""
     ch = clip_low if clip_high is None else clip_high
+    lo, hi = 1 - clip_low, 1 + ch
     B, T = logp.shape
     seq_sums, seq_counts, n_low, n_high = [], [], 0, 0
     for b in range(B):
         total, count = torch.zeros((), dtype=torch.float64), 0
-        for t in range(T):
-            if not mask[b][t]:
-                continue
-            A = float(adv[b])
+        tokens = [t for t in range(T) if mask[b][t]]
+        A = float(adv[b])
+        if loss_type == "gspo" and tokens:
+            s = torch.exp(sum(logp[b, t] - old[b, t] for t in tokens) / len(tokens))
+            seq_term = _ref_ppo(s, _ref_clip(s, lo, hi), A)
+        for t in tokens:
             r = torch.exp(logp[b, t] - old[b, t])
-            rc = r
-            if r.item() < 1 - clip_low:
-                rc = torch.tensor(1 - clip_low, dtype=torch.float64)  # constant: no gradient
-            if r.item() > 1 + ch:
-                rc = torch.tensor(1 + ch, dtype=torch.float64)
-            unclipped, clipped = r * A, rc * A
-            term = -clipped if clipped.item() < unclipped.item() else -unclipped
-            n_low += int(A < 0 and r.item() < 1 - clip_low)
-            n_high += int(A > 0 and r.item() > 1 + ch)
+            if loss_type == "gspo":
+                term = seq_term
+                n_low += int(A < 0 and s.item() < lo)
+                n_high += int(A > 0 and s.item() > hi)
+            elif loss_type == "cispo":
+                term = -float(min(max(r.item(), lo), hi)) * A * logp[b, t]
+                n_low += int(r.item() < lo)
+                n_high += int(r.item() > hi)
+            else:
+                term = _ref_ppo(r, _ref_clip(r, lo, hi), A)
+                n_low += int(A < 0 and r.item() < lo)
+                n_high += int(A > 0 and r.item() > hi)
             if beta != 0:
                 d = ref[b, t] - logp[b, t]
                 term = term + beta * (torch.exp(d) - d - 1)
@@ -74,9 +98,9 @@ def ref_loss(logp, old, ref, adv, mask, clip_low, clip_high, beta, loss_type, ma
         seq_sums.append(total)
         seq_counts.append(count)
     n_tok = sum(seq_counts)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "gspo"):
         loss = sum(s / c if c > 0 else s * 0 for s, c in zip(seq_sums, seq_counts)) / B
-    elif loss_type in ("bnpo", "dapo"):
+    elif loss_type in ("bnpo", "dapo", "cispo"):
         loss = sum(seq_sums) / max(n_tok, 1)
     else:
         loss = sum(seq_sums) / (B * max_len)
@@ -318,14 +342,16 @@ def test_grpo_loss_matches_loop_reference(loss_type, scale, clip_high, beta):
     adv = group_advantages(rewards, 3, scale=scale)
     torch.testing.assert_close(adv, torch.tensor(ref_advantages(rewards, 3, scale), dtype=torch.float64))
 
+    clip_low = 0.05 if loss_type == "gspo" else 0.2  # a sequence's mean log-ratio varies less than a token's
+    clip_high = None if clip_high is None else clip_high * clip_low / 0.2
     logp = logp0.clone().requires_grad_()
-    loss, stats = grpo_loss(logp, old, ref, adv, mask, clip_high=clip_high, beta=beta, loss_type=loss_type,
-                            max_completion_length=MAX_LEN)
+    loss, stats = grpo_loss(logp, old, ref, adv, mask, clip_low=clip_low, clip_high=clip_high, beta=beta,
+                            loss_type=loss_type, max_completion_length=MAX_LEN)
     loss.backward()
 
     logp_ref = logp0.clone().requires_grad_()
-    expected, frac_low, frac_high = ref_loss(logp_ref, old, ref, adv.tolist(), mask.tolist(), 0.2, clip_high, beta,
-                                             loss_type, MAX_LEN)
+    expected, frac_low, frac_high = ref_loss(logp_ref, old, ref, adv.tolist(), mask.tolist(), clip_low, clip_high,
+                                             beta, loss_type, MAX_LEN)
     expected.backward()
 
     assert loss.item() == pytest.approx(expected.item(), rel=1e-12, abs=1e-12)
@@ -383,7 +409,7 @@ def test_dapo_split_invariance_across_ranks_and_microbatches():
     assert not torch.allclose((bnpo[0] + bnpo[1]) / 2, full, rtol=1e-3)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
 def test_global_counts_make_uneven_rank_splits_and_micro_batches_invariant(loss_type):
     """Ranks holding 3 and 5 sequences (dynamic sampling keeps different numbers per rank), each in
     two micro-batches weighted by micro_batch_weight: DDP's mean equals one process's gradient."""
@@ -405,7 +431,7 @@ def test_global_counts_make_uneven_rank_splits_and_micro_batches_invariant(loss_
     local = [_policy_grad(w, feats, old, adv, mask, r, loss_type=loss_type, max_completion_length=T,
                           global_token_count=counts["global_token_count"], world_size=2)
              for r in (slice(0, 3), slice(3, 8))]
-    if loss_type != "dapo":
+    if loss_type not in ("dapo", "cispo"):  # the token-mean losses need only the token count
         assert not torch.allclose((local[0] + local[1]) / 2, full, rtol=1e-3)
 
 

@@ -12,11 +12,12 @@ from grpo_core.pipeline_config import PipelineConfig, deep_merge
 def test_config_choices_are_exactly_what_the_math_accepts():
     """config.py keeps its own copies (it validates before torch is imported, so it cannot import
     grpo_core.algorithm): a choice added on one side only would pass validation and fail at
-    iteration 1, or be unreachable."""
-    from grpo_core import algorithm, config, objective
+    iteration 1, or be unreachable. Loss types are read from grpo_core.losses when a stage is
+    validated, so they cannot drift."""
+    from grpo_core import algorithm, config, losses, objective
 
     assert config.SCALES == algorithm.ADVANTAGE_SCALES == tuple(objective.SCALES)
-    assert config.LOSS_TYPES == tuple(algorithm.LOSS_AGGREGATIONS)
+    assert config.loss_type_names() == tuple(losses.LOSS_TYPES)
     from grpo_core import models
     assert config.TINY_ARCHITECTURES == models.ARCHITECTURES
 
