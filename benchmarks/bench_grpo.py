@@ -116,9 +116,10 @@ def disable_levers(names: list[str]) -> None:
 
 
 def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emit=None,
-             compile_scoring: bool = False) -> list[dict]:
+             compile_scoring: bool = False, overrides: dict | None = None) -> list[dict]:
     """Our trainer's iterations; ``gate()`` (if given) is called before each one and ``emit(row)``
-    after it (the lockstep protocol of ``run_lockstep``)."""
+    after it (the lockstep protocol of ``run_lockstep``). ``overrides``: GRPOConfig fields that
+    replace the bench's common settings (``reward_fn`` names the reward instead)."""
     import torch
 
     from grpo_core import dist
@@ -126,13 +127,16 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
     from grpo_core.trainer import Trainer, iteration_seed
 
     out_dir = tempfile.mkdtemp(prefix="bench_ours_")
-    cfg = GRPOConfig(model=model_dir, task="arithmetic", rewards=[{"fn": REWARD_FN, "weight": 1.0}],
-                     group_size=spec["group_size"], prompts_per_iter=spec["prompts"],
-                     iterations=iters + warmup, max_new_tokens=spec["max_new_tokens"], beta=COMMON["beta"],
-                     lr=COMMON["lr"], temperature=COMMON["temperature"], top_k=COMMON["top_k"],
-                     top_p=COMMON["top_p"], clip_low=COMMON["clip"], max_grad_norm=COMMON["max_grad_norm"],
-                     loss_type=COMMON["loss_type"], mu=1, seed=COMMON["seed"], output_dir=out_dir,
-                     compile_scoring=compile_scoring)
+    settings = dict(overrides or {})
+    reward_fn = settings.pop("reward_fn", REWARD_FN)
+    cfg = GRPOConfig(**{**dict(
+        model=model_dir, task="arithmetic", rewards=[{"fn": reward_fn, "weight": 1.0}],
+        group_size=spec["group_size"], prompts_per_iter=spec["prompts"],
+        iterations=iters + warmup, max_new_tokens=spec["max_new_tokens"], beta=COMMON["beta"],
+        lr=COMMON["lr"], temperature=COMMON["temperature"], top_k=COMMON["top_k"],
+        top_p=COMMON["top_p"], clip_low=COMMON["clip"], max_grad_norm=COMMON["max_grad_norm"],
+        loss_type=COMMON["loss_type"], mu=1, seed=COMMON["seed"], output_dir=out_dir,
+        compile_scoring=compile_scoring), **settings})
     trainer = Trainer(cfg, dist.init())
     rows = []
     for it in range(1, iters + warmup + 1):  # the body of Trainer.run without checkpoints / eval
@@ -143,7 +147,7 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
         t0, c0, w0 = time.perf_counter(), time.process_time(), time.time()
         batch, roll = trainer.rollout()
         upd = trainer.update(batch)
-        m = trainer._metrics(it, batch, roll, upd, time.perf_counter() - t0)
+        m = trainer.iteration_metrics(it, batch, roll, upd, time.perf_counter() - t0)
         total = time.perf_counter() - t0
         t = trainer.timings
         rows.append({"total": total, "cpu": time.process_time() - c0, "wall": [w0, time.time()],

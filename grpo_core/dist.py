@@ -121,6 +121,12 @@ def all_reduce_sum(values: list[float], device=None) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_named(values: dict[str, float], device=None) -> dict[str, float]:
+    """Sum named floats over ranks in one collective. Every rank passes the same keys in the same
+    order (a rank with nothing to add passes 0 for a key, never omits it)."""
+    return dict(zip(values, all_reduce_sum(list(values.values()), device)))
+
+
 def all_reduce_max(value: float, device=None) -> float:
     if not active():
         return value

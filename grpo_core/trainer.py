@@ -19,27 +19,26 @@ from pathlib import Path
 
 import torch
 
-from grpo_core import checkpoint, dist, storage
+from grpo_core import dist, storage
 from grpo_core.algorithm import group_advantages, informative_mask, masked_mean, std_from_moments
-from grpo_core.config import METRICS_FILE, ConfigError
+from grpo_core.config import ConfigError
 from grpo_core.data import PromptStream, eval_rows, train_rows
 from grpo_core.evaluate import greedy_results
-from grpo_core.health import divergence_alarm
+from grpo_core.gate import PromotionGate
+from grpo_core.iteration_metrics import iteration_metrics, local_sums
 from grpo_core.losses import grpo_loss, micro_batch_weight
+from grpo_core.metrics_recorder import MetricsRecorder
 from grpo_core.models import (
     activation_checkpointing_paused,
     disable_dropout,
     enable_activation_checkpointing,
     load_policy,
-    save_policy,
 )
 from grpo_core.objective import objective_card
 from grpo_core.rewards import RewardSpec, combine_rewards, resolve_specs
 from grpo_core.rollout import generate_rollouts, render_prompts
 from grpo_core.scoring import completion_logprobs
-from grpo_core.stats import window_change
-from grpo_core.tracking import plot_curves, read_jsonl
-from grpo_core.tracking_logger import open_tracker
+from grpo_core.stage_checkpoints import StageCheckpoints
 from grpo_core.types import RolloutBatch
 from grpo_core.update_parts import (
     MergedStats,
@@ -50,7 +49,6 @@ from grpo_core.update_parts import (
     wrap_ddp,
 )
 
-LOGGED_AT = "logged_at_ms"  # metrics.jsonl: when the row's points were logged (their MLflow timestamp)
 MAX_NONFINITE_IN_A_ROW = 3  # consecutive skipped updates before the stage stops with an error
 
 
@@ -72,8 +70,6 @@ class Trainer:
             raise ConfigError(f"stage '{cfg.stage}'.prompts_per_iter: {cfg.prompts_per_iter} prompts cannot be split "
                               f"across {info.world_size} ranks; use a multiple of {info.world_size}")
         self.out = Path(cfg.output_dir)
-        self.ckpt_dir = self.out / "checkpoints"
-        self.metrics_path = self.out / METRICS_FILE  # one JSON line per iteration (rank 0)
         torch.manual_seed(cfg.seed)
         self.model, self.tok = load_policy(cfg.model, trust_remote_code=cfg.trust_remote_code)
         if cfg.disable_dropout:
@@ -103,28 +99,26 @@ class Trainer:
         self.rewards = resolve_specs([RewardSpec(**r) for r in cfg.rewards])
         self.stream = PromptStream(train_rows(cfg), cfg.seed)
         self.eval_rows = eval_rows(cfg, cfg.eval_size) if (cfg.eval_every or cfg.gate_metric) else None
+        self.gate = PromotionGate.from_config(cfg)
         self.state = {"iteration": 0, "data_position": 0, "nonfinite_in_a_row": 0,
-                      "skipped_updates": 0, "gate_hits": 0, "history": []}
+                      "skipped_updates": 0, "history": [], **self.gate.state_dict()}
         self.timings = dict.fromkeys(TIMED_PHASES, 0.0)  # seconds per phase of the current iteration
-        self.spill_path = self.out / "pending_metrics.jsonl"  # tracking points the server did not take
-        self.tracker = open_tracker(cfg.tracking_uri, cfg.tracking_run_id, info.rank, spill_path=str(self.spill_path))
+        self.checkpoints = StageCheckpoints(cfg, info, self.out)
+        self.recorder = MetricsRecorder(cfg, info.is_main, info.rank, self.out)
 
     # ---------------------------------------------------------------- resume and checkpoints
     def resume(self) -> int:
-        """Continue from the newest verified checkpoint (local, this run's or the origin's)."""
-        locations = [str(self.ckpt_dir)] + [storage.join(u, "checkpoints") for u in self.cfg.resume_from]
-        path = checkpoint.latest(locations, self.out / ".downloaded") if self.info.is_main else None
-        path_str = [str(path) if path else ""]
-        if dist.active():
-            torch.distributed.broadcast_object_list(path_str, src=0)
-        if not path_str[0]:
+        """Continue from the newest verified checkpoint (local, this run's or the origin's); the
+        iteration it was written at, 0 when there is none."""
+        path = self.checkpoints.find_latest()
+        if path is None:
             return 0
-        self.state = checkpoint.load(path_str[0], self.model, self.opt, self.sched)
+        self.state = self.checkpoints.load(path, self.model, self.opt, self.sched)
+        self.gate.load_state_dict(self.state)
         self.sched = self._schedule(done_iterations=self.state["iteration"])
-        self._restore_metrics(Path(path_str[0]), self.state["iteration"])
-        self._resend_metrics()
-        self._republish(Path(path_str[0]), self.state["iteration"])
-        dist.print0(f"[{self.cfg.stage}] resumed from {path_str[0]} at iteration {self.state['iteration']}")
+        self.recorder.restore(path, self.state["iteration"])
+        self.checkpoints.republish(path, self.state["iteration"])
+        dist.print0(f"[{self.cfg.stage}] resumed from {path} at iteration {self.state['iteration']}")
         return self.state["iteration"]
 
     def _schedule(self, done_iterations: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
@@ -136,52 +130,12 @@ class Trainer:
         return torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda it: min(1.0, (it + 1) / warm) if warm else 1.0, last_epoch=done_iterations - 1)
 
-    def _republish(self, ckpt: Path, iteration: int) -> None:
-        """Copy a checkpoint found elsewhere (the origin run of a flow ``resume``) to this run's
-        own sync_uri. A resume of this run searches only this run and its direct origin: if this
-        run failed before writing a checkpoint of its own, the work would otherwise restart at 0."""
-        if not (self.info.is_main and self.cfg.sync_uri):
-            return
-        copy = storage.join(self.cfg.sync_uri, "checkpoints", checkpoint.name_for(iteration))
-        if not checkpoint.stored_complete(copy):  # absent, or an earlier republish cut short
-            storage.put_dir(ckpt, copy)
-
-    def _restore_metrics(self, ckpt: Path, iteration: int) -> None:
-        """metrics.jsonl as it was at the checkpoint: its copy in the checkpoint (a flow ``resume``
-        runs in a fresh output_dir, and the summary, reward trend and curves read this file),
-        else this dir's own file cut back to the checkpoint's iteration (checkpoints from before
-        the copy existed)."""
-        f, saved = self.metrics_path, ckpt / METRICS_FILE
-        if not self.info.is_main or not (saved.exists() or f.exists()):
-            return
-        lines = (saved if saved.exists() else f).read_text().splitlines()
-        keep = [ln for ln in lines if json.loads(ln)["iteration"] <= iteration]
-        storage.atomic_write_text(f, "".join(ln + "\n" for ln in keep))
-
-    def _resend_metrics(self) -> None:
-        """Queue the restored history for MLflow again, each point with its first timestamp: the
-        store keeps identical points once, and points an outage held back when the first attempt
-        crashed (they lived only in its memory) arrive after all. Sent at the next commit."""
-        if not (self.info.is_main and self.metrics_path.exists()):
-            return
-        for row in read_jsonl(str(self.metrics_path)):
-            if LOGGED_AT in row:  # rows written before the timestamp was kept cannot be sent idempotently
-                self.tracker.log({k: v for k, v in row.items() if k not in ("iteration", LOGGED_AT)},
-                                 step=row["iteration"], timestamp_ms=row[LOGGED_AT])
-
     def save_checkpoint(self, iteration: int) -> None:
-        if self.info.is_main:
-            extra = {METRICS_FILE: self.metrics_path} if self.metrics_path.exists() else {}
-            path = checkpoint.save(self.ckpt_dir, iteration, self.model, self.opt, self.sched, self.state, extra)
-            if self.cfg.sync_uri:
-                remote = storage.join(self.cfg.sync_uri, "checkpoints")
-                storage.put_dir(path, storage.join(remote, path.name))
-                try:  # housekeeping: a bucket that refuses deletes must not stop training
-                    checkpoint.prune_stored(remote, self.cfg.keep_checkpoints, written=path.name)
-                except Exception as exc:
-                    warnings.warn(f"could not prune old checkpoints under {remote}: {exc}")
-            checkpoint.prune(self.ckpt_dir, self.cfg.keep_checkpoints, written=path.name)
-            self.tracker.flush()  # commit point: metrics up to here are now durable
+        """A commit point: the checkpoint (rank 0), then the metrics up to it; all ranks wait."""
+        self.state.update(self.gate.state_dict())
+        self.checkpoints.save(iteration, self.model, self.opt, self.sched, self.state,
+                              self.recorder.checkpoint_files())
+        self.recorder.commit()
         dist.barrier()
 
     # ---------------------------------------------------------------- one iteration
@@ -335,42 +289,12 @@ class Trainer:
         return norm
 
     # ---------------------------------------------------------------- metrics and evaluation
-    def _metrics(self, it: int, batch: RolloutBatch, roll: dict, upd: dict, seconds: float) -> dict:
-        lens = batch.completion_mask.sum(-1).float()
-        informative = informative_mask(batch.rewards, batch.group_size).float()
-        local = [batch.rewards.sum().item(), (batch.rewards ** 2).sum().item(), len(batch),
-                 informative.sum().item(), informative.numel(), lens.sum().item(),
-                 batch.truncated.float().sum().item(), roll["informative_groups"], roll["drawn_groups"]]
-        s = dist.all_reduce_sum(local, self.info.device)
-        n = max(s[2], 1)
-        mean = s[0] / n
-        m = {"iteration": it, "reward": mean, "reward_std": math.sqrt(max(s[1] / n - mean ** 2, 0.0)),
-             "informative_frac": s[7] / max(s[8], 1), "completion_len": s[5] / n,
-             "truncated_frac": s[6] / n, "tokens_per_s": s[5] / max(seconds, 1e-9),
-             "lr": upd["lr"], "skipped_updates": self.state["skipped_updates"]}
-        if self.cfg.dynamic_sampling:
-            m.update(informative_frac_kept=s[3] / max(s[4], 1), dynamic_rounds=roll["dynamic_rounds"],
-                     dynamic_drawn=roll["dynamic_drawn"])
-        # token means over all ranks' tokens (ranks may hold different numbers of them); the loss
-        # as DDP averages it
-        means, tokens = ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy"), \
-            upd["num_tokens"]
-        # and each reward function's mean over the rows it applies to (None from it: not counted);
-        # one collective for all of it
-        parts = batch.reward_parts
-        applies = ~parts.isnan()
-        K = parts.shape[1]
-        *sums, all_tokens, loss = dist.all_reduce_sum(
-            [upd[k] * tokens for k in means] + parts.nan_to_num(0.0).sum(0).tolist() + applies.sum(0).tolist()
-            + [tokens, upd["loss"]], self.info.device)
-        m.update({k: v / max(all_tokens, 1.0) for k, v in zip(means, sums)}, loss=loss / self.info.world_size)
-        m["grad_norm"] = upd["grad_norm"]
-        m.update({k: round(v, 4) for k, v in self.timings.items()})
-        part_sums, part_rows = sums[len(means):len(means) + K], sums[len(means) + K:]
-        for name, total, rows in zip(self.reward_names, part_sums, part_rows):
-            if rows:  # a function that applied to no row this iteration has no mean
-                m[f"reward/{name.split(':')[-1]}"] = total / rows
-        return m
+    def iteration_metrics(self, it: int, batch: RolloutBatch, roll: dict, upd: dict, seconds: float) -> dict:
+        """The iteration's metrics over all ranks (one collective; see ``iteration_metrics``)."""
+        sums = dist.all_reduce_named(local_sums(batch, roll, upd, self.reward_names), self.info.device)
+        return iteration_metrics(it, sums, seconds=seconds, world_size=self.info.world_size, lr=upd["lr"],
+                                 grad_norm=upd["grad_norm"], skipped_updates=self.state["skipped_updates"],
+                                 timings=self.timings, dynamic=roll if self.cfg.dynamic_sampling else None)
 
     def evaluate(self) -> float:
         """Greedy accuracy on the validation subset, sharded across ranks."""
@@ -382,58 +306,19 @@ class Trainer:
         right, total = dist.all_reduce_sum([sum(r["correct"] for r in res), len(res)], self.info.device)
         return right / max(total, 1)
 
-    def _gate(self, m: dict) -> bool:
-        c = self.cfg
-        if c.gate_metric is None or c.gate_metric not in m:
-            return False
-        self.state["gate_hits"] = self.state["gate_hits"] + 1 if m[c.gate_metric] >= c.gate_threshold else 0
-        return self.state["gate_hits"] >= c.gate_patience
-
-    def _record(self, m: dict, batch: RolloutBatch) -> None:
-        point = {k: m[k] for k in ("iteration", "reward", "eval_accuracy") if k in m}
-        self.state["history"] = (self.state["history"] + [point])[-200:]
-        if not self.info.is_main:
-            return
-        logged_at = int(time.time() * 1000)  # kept, so a resumed stage can resend the point as it was
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps({**m, LOGGED_AT: logged_at}) + "\n")
-        self.tracker.log({k: v for k, v in m.items() if k != "iteration"}, step=m["iteration"], timestamp_ms=logged_at)
-        # the alarm reads evaluation points only, so it can change (and is reported) only at one
-        alarm = divergence_alarm(self.state["history"]) if "eval_accuracy" in m else None
-        if alarm:
-            print(f"WARNING [{self.cfg.stage}] {alarm}", flush=True)
-            self.tracker.log({"alarm/reward_task_divergence": 1.0}, step=m["iteration"])
-            self.tracker.set_tags({"grpo.alarm": alarm})
-        if m["iteration"] % self.cfg.sample_every == 0 or m["iteration"] == 1:
-            it, samples = m["iteration"], [{"prompt": p, "completion": t, "reward": r} for p, t, r in
-                                           zip(batch.prompts[:16], batch.completions[:16], batch.rewards.tolist()[:16])]
-            self.tracker.log_dict({"iteration": it, "samples": samples}, f"samples/iter_{it:06d}.json")
-            self.tracker.log_table({"iteration": [it] * len(samples), **{k: [s[k] for s in samples] for k in
-                                    ("prompt", "completion", "reward")}}, f"samples/iter_{it:06d}_table.json")
-            # the live training card reads it (pipeline.read_samples), MLflow or not
-            storage.atomic_write_text(self.out / "samples_latest.json",
-                                      json.dumps({"iteration": it, "samples": samples}))
-        print(f"[{self.cfg.stage}] it {m['iteration']:4d} reward {m['reward']:.3f} "
-              f"informative {m['informative_frac']:.2f} kl {m['kl']:.4f} len {m['completion_len']:.1f}"
-              + (f" eval_acc {m['eval_accuracy']:.3f}" if "eval_accuracy" in m else ""), flush=True)
-
     # ---------------------------------------------------------------- the stage
     def run(self) -> dict:
+        """The GRPO loop: resume, then per iteration reseed, roll out, update, measure, gate,
+        record and checkpoint; then the final model and the summary."""
         c = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         start = self.resume()
         if self.info.is_main:
-            example = self.stream.take(0, 1)[0]["prompt"]
-            card = objective_card(c, self.info.world_size, render_prompts(self.tok, [example], c.system_prompt)[0])
-            storage.atomic_write_text(self.out / "objective.json", json.dumps(card, indent=1))
-            # only those the run lacks: a rerun of the step (even one that restarts at 0) reuses the
-            # run, whose output_dir and other runtime params MLflow refuses to change
-            self.tracker.log_params({**c.to_dict(), **{f"objective.{k}": v for k, v in card.items()}},
-                                    if_absent=True)
-            self.tracker.log_artifact(str(self.out / "objective.json"))
+            example = render_prompts(self.tok, [self.stream.take(0, 1)[0]["prompt"]], c.system_prompt)[0]
+            self.recorder.log_objective(objective_card(c, self.info.world_size, example))
         # a checkpoint written when the gate fired ends the stage: resuming from it (a crash while
         # saving the final model) must not train on past the gate
-        promoted = c.gate_metric is not None and self.state["gate_hits"] >= c.gate_patience
+        promoted = self.gate.fired
         it, last = start, start if promoted else c.iterations
         for it in range(start + 1, last + 1):
             self.timings = dict.fromkeys(TIMED_PHASES, 0.0)
@@ -443,13 +328,14 @@ class Trainer:
             t0 = time.perf_counter()
             batch, roll = self.rollout()
             upd = self.update(batch)
-            m = self._metrics(it, batch, roll, upd, time.perf_counter() - t0)
+            m = self.iteration_metrics(it, batch, roll, upd, time.perf_counter() - t0)
             if self.eval_rows is not None and ((c.eval_every and it % c.eval_every == 0) or it == c.iterations):
                 m["eval_accuracy"] = self.evaluate()
                 m["eval_n"] = len(self.eval_rows)  # validation items it is over (eval_size, or all there are)
-            promoted = self._gate(m)
+            promoted = self.gate.observe(m)
             self.state["iteration"] = it
-            self._record(m, batch)
+            self._remember(m)
+            self.recorder.record(m, batch, self.state["history"])
             if it % c.save_every == 0 or it == c.iterations or promoted:
                 self.save_checkpoint(it)
             _maybe_fail(c, it)
@@ -459,32 +345,18 @@ class Trainer:
                 break
         return self.finish(it, promoted, resumed_from=start)
 
+    def _remember(self, m: dict) -> None:
+        """The checkpointed history the divergence alarm reads: reward and accuracy, last 200."""
+        point = {k: m[k] for k in ("iteration", "reward", "eval_accuracy") if k in m}
+        self.state["history"] = (self.state["history"] + [point])[-200:]
+
     def finish(self, it: int, promoted: bool, resumed_from: int = 0) -> dict:
+        """The final model (rank 0, to storage) and the stage summary (summary.json)."""
         summary = {"stage": self.cfg.stage, "iterations_run": it, "promoted_by_gate": promoted,
-                   "resumed_from_iteration": resumed_from,
-                   "skipped_updates": self.state["skipped_updates"]}
+                   "resumed_from_iteration": resumed_from, "skipped_updates": self.state["skipped_updates"]}
         if self.info.is_main:
-            final = save_policy(self.model, self.tok, self.out / "final")
-            if self.cfg.sync_uri:
-                summary["model_uri"] = storage.put_dir(final, storage.join(self.cfg.sync_uri, "final"))
-            else:
-                summary["model_uri"] = str(final)
-            rows = read_jsonl(str(self.metrics_path)) if self.metrics_path.exists() else []
-            metrics_only = lambda row: {k: v for k, v in row.items() if k != LOGGED_AT}  # noqa: E731
-            summary["last"] = metrics_only(rows[-1]) if rows else {}
-            summary["first"] = metrics_only(rows[0]) if rows else {}
-            if rows:
-                trend = summary["reward_trend"] = window_change([r["reward"] for r in rows])
-                self.tracker.log({f"reward_trend/{k}": v for k, v in trend.items() if math.isfinite(v)}, it)
-                # training curves as a PNG, for people who would rather look than read
-                self.tracker.log_artifact(plot_curves(str(self.metrics_path), str(self.out / "curves.png")))
-            self.tracker.flush()
-            summary["tracking_delayed_points"] = getattr(self.tracker, "delayed_points", 0)
-            self.tracker.close()
-            if self.spill_path.exists() and self.cfg.sync_uri:  # kept beside the checkpoints, for replay
-                summary["tracking_pending_uri"] = storage.write_text(
-                    storage.join(self.cfg.sync_uri, self.spill_path.name), self.spill_path.read_text())
-                summary["tracking_run_id"] = self.cfg.tracking_run_id
+            summary["model_uri"] = self.checkpoints.publish_final(self.model, self.tok, self.out)
+            summary.update(self.recorder.close(it))
             storage.atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=1))
         dist.barrier()
         return summary

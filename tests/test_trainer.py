@@ -178,7 +178,8 @@ def test_divergence_alarm_is_reported_once_per_evaluation(tiny, tmp_path, capsys
         m = {"iteration": it, "reward": r, "informative_frac": 0.5, "kl": 0.0, "completion_len": 1.0}
         if it in accs:
             m["eval_accuracy"] = accs[it]
-        trainer._record(m, batch)
+        trainer._remember(m)
+        trainer.recorder.record(m, batch, trainer.state["history"])
     warnings = [ln for ln in capsys.readouterr().out.splitlines() if "divergence" in ln]
     assert len(warnings) == 1 and "iterations 2..6" in warnings[0], warnings
 
@@ -389,7 +390,7 @@ def test_dynamic_sampling_with_nothing_informative_leaves_every_row_out_of_the_l
     assert batch.loss_rows is not None and not batch.loss_rows.any()
     upd = trainer.update(batch)
     assert upd["num_tokens"] == 0.0 and not trainer.opt.state
-    m = trainer._metrics(1, batch, roll, upd, 1.0)
+    m = trainer.iteration_metrics(1, batch, roll, upd, 1.0)
     assert m["reward/always_zero"] == 0.0 and m["kl"] == 0.0
 
 
@@ -401,7 +402,7 @@ def test_reward_function_metrics_are_means_over_the_rows_they_apply_to(tiny, tmp
     trainer = _in_process_trainer(tiny, tmp_path, rewards=SEVENS + [
         {"fn": "tests.faulty_rewards:sevens_on_even_rows", "weight": 0.5}], max_new_tokens=12)
     batch, roll = trainer.rollout()
-    m = trainer._metrics(1, batch, roll, trainer.update(batch), 1.0)
+    m = trainer.iteration_metrics(1, batch, roll, trainer.update(batch), 1.0)
     sevens = target_char_fraction(batch.prompts, batch.completions)
     assert max(sevens) > 0  # the check can tell a mean from a sum or a wrong divisor
     assert m["reward/target_char_fraction"] == pytest.approx(sum(sevens) / len(sevens))

@@ -1,0 +1,70 @@
+"""A stage's checkpoints: save (local, then the run's storage), prune, find and load on resume,
+republish, and the final model.
+
+Rank 0 reads and writes; on resume it finds the newest complete, checksum-verified checkpoint
+(this stage's local dir, then each ``resume_from`` location, e.g. a flow ``resume``'s origin
+run) and broadcasts the path, so every rank loads the same one. Housekeeping (pruning old
+copies in storage) never stops training.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from grpo_core import checkpoint, dist, storage
+from grpo_core.models import save_policy
+
+
+class StageCheckpoints:
+    def __init__(self, cfg, info: dist.DistInfo, out: Path):
+        self.cfg, self.info = cfg, info
+        self.dir = out / "checkpoints"
+        self.scratch = out / ".downloaded"
+
+    def find_latest(self) -> Path | None:
+        """The newest verified checkpoint, the same path on every rank (None: start at 0)."""
+        locations = [str(self.dir)] + [storage.join(u, "checkpoints") for u in self.cfg.resume_from]
+        path = checkpoint.latest(locations, self.scratch) if self.info.is_main else None
+        found = [str(path) if path else ""]
+        if dist.active():
+            torch.distributed.broadcast_object_list(found, src=0)
+        return Path(found[0]) if found[0] else None
+
+    def load(self, path: Path, model, opt, sched) -> dict:
+        """Weights, optimizer, schedule and RNG state into the given objects; returns the stage state."""
+        return checkpoint.load(path, model, opt, sched)
+
+    def republish(self, ckpt: Path, iteration: int) -> None:
+        """Copy a checkpoint found elsewhere (the origin run of a flow ``resume``) to this run's
+        own sync_uri. A resume of this run searches only this run and its direct origin: if this
+        run failed before writing a checkpoint of its own, the work would otherwise restart at 0."""
+        if not (self.info.is_main and self.cfg.sync_uri):
+            return
+        copy = storage.join(self.cfg.sync_uri, "checkpoints", checkpoint.name_for(iteration))
+        if not checkpoint.stored_complete(copy):  # absent, or an earlier republish cut short
+            storage.put_dir(ckpt, copy)
+
+    def save(self, iteration: int, model, opt, sched, state: dict, extra_files: dict[str, Path]) -> None:
+        """Rank 0: an atomic local checkpoint (with ``extra_files`` copied in), its copy in the
+        run's storage, then pruning to ``keep_checkpoints`` in both. Other ranks do nothing."""
+        if not self.info.is_main:
+            return
+        path = checkpoint.save(self.dir, iteration, model, opt, sched, state, extra_files)
+        if self.cfg.sync_uri:
+            remote = storage.join(self.cfg.sync_uri, "checkpoints")
+            storage.put_dir(path, storage.join(remote, path.name))
+            try:  # housekeeping: a bucket that refuses deletes must not stop training
+                checkpoint.prune_stored(remote, self.cfg.keep_checkpoints, written=path.name)
+            except Exception as exc:
+                warnings.warn(f"could not prune old checkpoints under {remote}: {exc}")
+        checkpoint.prune(self.dir, self.cfg.keep_checkpoints, written=path.name)
+
+    def publish_final(self, model, tok, out: Path) -> str:
+        """Rank 0: the stage's final model as a safetensors HF dir, copied to storage when the
+        stage has a sync_uri; returns where the next stage loads it from."""
+        final = save_policy(model, tok, out / "final")
+        if self.cfg.sync_uri:
+            return storage.put_dir(final, storage.join(self.cfg.sync_uri, "final"))
+        return str(final)
