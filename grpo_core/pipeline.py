@@ -9,6 +9,7 @@ storage keyed by ``<storage_root>/<flow>/<run_id>/<step>/``, never as pickled ar
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -453,6 +454,10 @@ def finish(ctx: RunContext, status: str = "FINISHED") -> None:
     finish_run(ctx.tracking_uri, ctx.parent_run_id, status)
 
 
+def _p(value) -> str:
+    return "-" if value is None else f"{value:.2g}"
+
+
 def summary_table(results: list[dict], curriculum: dict, gsm8k: dict, registry: dict) -> str:
     """A plain-text table: every stage's held-out accuracy with its 95% interval, the share of
     answers cut by the generation cap, and the change against the start model and against the
@@ -472,12 +477,13 @@ def summary_table(results: list[dict], curriculum: dict, gsm8k: dict, registry: 
                          f"{x.get('truncated_frac', 0.0):>7.1%}{paired}")
     for name, st in (("curriculum", curriculum), ("gsm8k", gsm8k)):
         last, trend = st.get("last", {}), st.get("reward_trend")
+        interval = ("too few iterations for an interval" if not trend or math.isnan(trend["ci_low"])
+                    else f"95% CI [{trend['ci_low']:+.3f}, {trend['ci_high']:+.3f}]")
         change = (f"reward {trend['first']:.3f} -> {trend['last']:.3f} (means of the first/last {trend['window']} "
-                  f"iterations; change {trend['diff']:+.3f}, 95% CI [{trend['ci_low']:+.3f}, {trend['ci_high']:+.3f}])"
-                  if trend else "no iterations run")
+                  f"iterations; change {trend['diff']:+.3f}, {interval})" if trend else "no iterations run")
         lines.append(f"{name} GRPO: {st['iterations_run']} iterations, {change}, informative "
                      f"{last.get('informative_frac', 0):.2f}"
                      + (" (promotion gate)" if st.get("promoted_by_gate") else ""))
     lines.append(f"registry: {registry.get('model_name')} v{registry.get('version')} -> {registry.get('decision')} "
-                 f"(p={registry.get('p_value')}, {registry.get('compared_items')} items)")
+                 f"(p={_p(registry.get('p_value'))}, {registry.get('compared_items')} items)")
     return "\n".join(lines)

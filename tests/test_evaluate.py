@@ -53,6 +53,12 @@ def test_stage_table_pairs_every_stage_with_the_start_row():
     assert "10.0%" in start_line and "-" in start_line
     assert "+0.800" in cur_line and "0.0078" in cur_line  # 8 gained, 0 lost: 2 / 2^8
     assert results[1]["vs_previous"]["arith_holdout"]["stage"] == "sft"
+    one = {"iterations_run": 1, "last": {}, "reward_trend": {"first": 0.0, "last": 0.0, "window": 1, "diff": 0.0,
+                                                            "ci_low": float("nan"), "ci_high": float("nan")}}
+    table = summary_table(results, stage, one, {"model_name": "m", "version": 1, "decision": "promoted",
+                                                "p_value": 2.977e-14, "compared_items": 10})
+    assert "nan" not in table and "too few iterations for an interval" in table
+    assert "promoted (p=3e-14, 10 items)" in table
 
 
 def test_gsm8k_gets_its_own_generation_cap():
