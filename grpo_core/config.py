@@ -253,8 +253,6 @@ class GRPOConfig:
     """MLflow tracking URI (rank 0 logs there)."""
     tracking_run_id: str | None = None
     """MLflow run id to log into (the stage's child run)."""
-    fail_at_iteration: int | None = None
-    """Fault injection for tests: raise after this iteration's checkpoint step."""
 
     def __post_init__(self):
         w = f"stage '{self.stage}'"

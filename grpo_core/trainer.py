@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
 import time
 import warnings
@@ -338,7 +337,6 @@ class Trainer:
             self.recorder.record(m, batch, self.state["history"])
             if it % c.save_every == 0 or it == c.iterations or promoted:
                 self.save_checkpoint(it)
-            _maybe_fail(c, it)
             if promoted:
                 dist.print0(f"[{c.stage}] promotion gate: {c.gate_metric} >= {c.gate_threshold} "
                             f"({c.gate_patience}x) at iteration {it}; moving on")
@@ -361,13 +359,3 @@ class Trainer:
         dist.barrier()
         return summary
 
-
-def _maybe_fail(cfg, iteration: int) -> None:
-    """Fault injection: GRPO_FAIL_AT='<stage>:<iteration>' or cfg.fail_at_iteration crashes here."""
-    env = os.environ.get("GRPO_FAIL_AT", "")
-    stage, _, at = env.partition(":")
-    hit = cfg.fail_at_iteration == iteration or (stage == cfg.stage and at.isdigit() and int(at) == iteration)
-    if hit and not os.path.exists(os.path.join(cfg.output_dir, f".failed-once-{iteration}")):
-        if os.environ.get("GRPO_FAIL_ONCE"):
-            Path(cfg.output_dir, f".failed-once-{iteration}").touch()
-        raise RuntimeError(f"[{cfg.stage}] injected failure at iteration {iteration} (GRPO_FAIL_AT)")

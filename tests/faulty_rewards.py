@@ -54,3 +54,24 @@ def always_zero(prompts, completions, **_):
 def sevens_on_even_rows(prompts, completions, **_):
     """target_char_fraction('7') on even rows, None (not applicable) on odd ones."""
     return [(c.count("7") / len(c) if c else 0.0) if i % 2 == 0 else None for i, c in enumerate(completions)]
+
+
+KILL_ON_CALL_ENV = "GRPO_TEST_KILL_ON_CALL"
+KILLS = {"n": 0}
+
+
+def gsm8k_correctness_killed_on_call(prompts, completions, **columns):
+    """``gsm8k_correctness``, except that a process whose environment sets GRPO_TEST_KILL_ON_CALL=N
+    SIGKILLs itself on its N-th call: a training worker lost mid-stage (the OOM killer, a node
+    gone), with no exception handler, ``finally`` or atexit running. Every rank counts its own
+    calls (one per iteration without dynamic sampling), so N = k + 1 kills each rank in iteration
+    k + 1, after iteration k was trained and, when due, checkpointed."""
+    import os
+    import signal
+
+    from grpo_core.rewards import gsm8k_correctness
+
+    KILLS["n"] += 1
+    if os.environ.get(KILL_ON_CALL_ENV) == str(KILLS["n"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return gsm8k_correctness(prompts, completions, **columns)

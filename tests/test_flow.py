@@ -82,8 +82,12 @@ def final_model_dir(run, step="gsm8k_grpo"):
 @pytest.fixture(scope="module")
 def crashed_and_resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("flow")
-    cfg = tiny_config(root)
-    failed = run_flow(root, cfg, GRPO_FAIL_AT="gsm8k:3")
+    # both gsm8k ranks SIGKILL themselves in iteration 4 (their 4th reward call): iteration 3 ran
+    # and was logged locally, iteration 2 is the last checkpoint; the resume (no kill in its
+    # environment) continues from it
+    cfg = tiny_config(root, gsm8k={"rewards": [{"fn": "tests.faulty_rewards:gsm8k_correctness_killed_on_call",
+                                                "weight": 1.0}]})
+    failed = run_flow(root, cfg, GRPO_TEST_KILL_ON_CALL="4")
     assert failed.status == "failed", failed.stdout[-3000:]
     assert _child_runs(cfg, failed.run)["gsm8k"].info.status == "FAILED"  # not left RUNNING
     assert _parent_run(cfg, failed.run).info.status == "FAILED"  # the pipeline run too

@@ -30,6 +30,7 @@ from grpo_core.train import main
 from grpo_core.trainer import NonFiniteError
 from tests import faulty_rewards
 from tests.conftest import S3_ENV, free_port, start_moto
+from tests.faults import InjectedFault, crash_after_iteration
 from tests.helpers import REPO, SEVENS, same_weights, stage_args
 
 TORCHRUN_TIMEOUT_S = 240
@@ -424,8 +425,8 @@ def test_an_outage_then_a_crash_loses_no_point_and_no_param(tiny, tmp_path, monk
     client = MlflowClient(store)
     run_id = client.create_run(client.create_experiment("outage-crash")).info.run_id
     dead = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(RuntimeError, match="injected failure at iteration 3"):
-        main(_stage(tiny, tmp_path / "a", tracking_uri=dead, tracking_run_id=run_id, fail_at_iteration=3,
+    with crash_after_iteration(3), pytest.raises(InjectedFault):
+        main(_stage(tiny, tmp_path / "a", tracking_uri=dead, tracking_run_id=run_id,
                     sync_uri=str(tmp_path / "store")))
     client.log_param(run_id, "output_dir", "first attempt's")  # as if it had reached the store
     for attempt, origin in (("b", "store"), ("c", "b/store")):  # c resumes b's finished stage: a resend only

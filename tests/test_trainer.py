@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from grpo_core.config import ConfigError
 from grpo_core.train import load_config, main
+from tests.faults import InjectedFault, crash_after_iteration, crash_before_final_model
 from tests.helpers import REPO, SEVENS, same_weights, stage_args
 
 
@@ -44,8 +45,8 @@ def _stage(tiny, out, **kw):
 
 def test_resume_after_crash_is_bitwise_equal_to_uninterrupted(tiny, tmp_path):
     main(_stage(tiny, tmp_path / "straight"))
-    with pytest.raises(RuntimeError, match="injected failure at iteration 5"):
-        main(_stage(tiny, tmp_path / "crashed", fail_at_iteration=5))
+    with crash_after_iteration(5), pytest.raises(InjectedFault):
+        main(_stage(tiny, tmp_path / "crashed"))
     ckpts = sorted(p.name for p in (tmp_path / "crashed" / "checkpoints").iterdir())
     assert ckpts[-1] == "ckpt-000004"
     summary = main(_stage(tiny, tmp_path / "crashed"))
@@ -61,8 +62,8 @@ def test_resume_after_the_gate_fired_finishes_the_stage_without_training_on(tiny
     gate = dict(gate_metric="reward", gate_threshold=0.0, gate_patience=2, save_every=10)
     straight = main(_stage(tiny, tmp_path / "straight", **gate))
     assert straight["iterations_run"] == 2 and straight["promoted_by_gate"]
-    with pytest.raises(RuntimeError, match="injected failure at iteration 2"):
-        main(_stage(tiny, tmp_path / "crashed", fail_at_iteration=2, **gate))
+    with crash_before_final_model(), pytest.raises(InjectedFault):
+        main(_stage(tiny, tmp_path / "crashed", **gate))
     resumed = main(_stage(tiny, tmp_path / "crashed", **gate))
     assert (resumed["iterations_run"], resumed["promoted_by_gate"], resumed["resumed_from_iteration"]) == (2, True, 2)
     assert same_weights(tmp_path / "straight" / "final", tmp_path / "crashed" / "final")
@@ -72,8 +73,8 @@ def test_resume_into_a_fresh_output_dir_restores_the_metrics_history(tiny, tmp_p
     """A flow ``resume`` runs the failed stage in a new output_dir, resuming from the origin run's
     checkpoints: the summary's first point, reward trend and curves still cover iterations 1..6."""
     straight = main(_stage(tiny, tmp_path / "straight"))
-    with pytest.raises(RuntimeError, match="injected failure at iteration 5"):
-        main(_stage(tiny, tmp_path / "origin", fail_at_iteration=5))
+    with crash_after_iteration(5), pytest.raises(InjectedFault):
+        main(_stage(tiny, tmp_path / "origin"))
     resumed = main(_stage(tiny, tmp_path / "resumed", resume_from=[str(tmp_path / "origin")]))
     assert resumed["resumed_from_iteration"] == 4
     its = [json.loads(ln)["iteration"] for ln in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
@@ -89,11 +90,10 @@ def test_a_resume_of_a_resume_that_failed_before_its_first_checkpoint_loses_noth
     have found nothing and restarted at 0; B now republishes the checkpoint it resumed from."""
     straight = main(_stage(tiny, tmp_path / "straight"))
     sync = {r: str(tmp_path / "store" / r) for r in "ABC"}
-    with pytest.raises(RuntimeError, match="injected failure at iteration 5"):
-        main(_stage(tiny, tmp_path / "A", sync_uri=sync["A"], fail_at_iteration=5))
-    with pytest.raises(RuntimeError, match="injected failure at iteration 5"):
-        main(_stage(tiny, tmp_path / "B", sync_uri=sync["B"], resume_from=[sync["B"], sync["A"]],
-                    fail_at_iteration=5))
+    with crash_after_iteration(5), pytest.raises(InjectedFault):
+        main(_stage(tiny, tmp_path / "A", sync_uri=sync["A"]))
+    with crash_after_iteration(5), pytest.raises(InjectedFault):
+        main(_stage(tiny, tmp_path / "B", sync_uri=sync["B"], resume_from=[sync["B"], sync["A"]]))
     assert (Path(sync["B"]) / "checkpoints" / "ckpt-000004" / "manifest.json").exists()
     resumed = main(_stage(tiny, tmp_path / "C", sync_uri=sync["C"], resume_from=[sync["C"], sync["B"]]))
     assert resumed["resumed_from_iteration"] == 4 and resumed["iterations_run"] == 6
@@ -111,8 +111,8 @@ def test_a_copy_cut_short_is_republished_and_the_chain_reaches_the_first_attempt
     from grpo_core.pipeline import RESUME_CHAIN, resume_chain
 
     sync = {r: str(tmp_path / "store" / r) for r in "ABC"}
-    with pytest.raises(RuntimeError, match="injected failure at iteration 5"):
-        main(_stage(tiny, tmp_path / "A", sync_uri=sync["A"], fail_at_iteration=5))
+    with crash_after_iteration(5), pytest.raises(InjectedFault):
+        main(_stage(tiny, tmp_path / "A", sync_uri=sync["A"]))
     partial = Path(sync["B"]) / "checkpoints" / "ckpt-000004"
     partial.mkdir(parents=True)
     shutil.copyfile(Path(sync["A"]) / "checkpoints" / "ckpt-000004" / "model.safetensors",
