@@ -1,0 +1,118 @@
+"""Peak memory and time per iteration of our trainer on the real SmolLM2-135M-Instruct, one
+variant at a time.
+
+Each variant runs in its own process, one after the other (never side by side: a variant peaks
+at 4-10 GB and this machine has 24 GB), with the same seed, prompts and shape:
+
+    .venv/bin/python benchmarks/bench_memory.py                       # all variants, 1 + 3 iterations each
+    .venv/bin/python benchmarks/bench_memory.py --variants default,mb1 --iters 2 --warmup 1
+
+Shape (issue #21's real-model reference): the packaged GGUF converted once to safetensors,
+arithmetic prompts through the chat template, reward ``gsm8k_correctness``, 8 prompts x G=8,
+48 new tokens, beta 0.04, lr 1e-5, temperature 1.0, fp32, one process, ``--threads`` torch
+threads. Peak RSS is the process's ``ru_maxrss`` after the last iteration (model load included).
+Writes ``benchmarks/results/<name>.json`` and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+RESULTS = ROOT / "benchmarks" / "results"
+
+SHAPE = dict(group_size=8, prompts=8, max_new_tokens=48)
+# name -> trainer settings changed from the defaults (what the variant measures)
+VARIANTS = {
+    "default": {},
+    "mb2": {"micro_batch_groups": 2},
+    "mb1": {"micro_batch_groups": 1},
+    "ckpt": {"gradient_checkpointing": True},
+    "mb2+ckpt": {"micro_batch_groups": 2, "gradient_checkpointing": True},
+    "beta0": {"beta": 0.0},
+}
+
+
+def model_dir(source: str) -> str:
+    from grpo_core.gguf_source import convert_gguf
+
+    return convert_gguf(source)["uri"]
+
+
+def worker(args) -> dict:
+    import resource
+
+    import torch
+    from bench_grpo import run_ours
+
+    torch.set_num_threads(args.threads)
+    overrides = {"lr": 1e-5, "reward_fn": "grpo_core.rewards:gsm8k_correctness", **VARIANTS[args.worker]}
+    rows = run_ours(SHAPE, args.model_dir, args.iters, args.warmup, overrides=overrides)
+    kept = rows[args.warmup:] or rows
+    med = lambda k: round(statistics.median(r[k] for r in kept), 2)  # noqa: E731
+    return {"variant": args.worker, "settings": VARIANTS[args.worker], "threads": args.threads,
+            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+            "s_per_iter": med("total"), "generate_s": med("generate"), "reference_s": med("ref_old_logp"),
+            "update_s": med("fwd_bwd_step"), "mean_completion_len": round(
+                sum(r["tokens"] for r in kept) / sum(r["completions"] for r in kept), 1),
+            "all_s_per_iter": [round(r["total"], 2) for r in rows], "reward": [r["reward_mean"] for r in rows]}
+
+
+def table(results: list[dict]) -> str:
+    base = next((r for r in results if r["variant"] == "default"), results[0])
+    lines = ["| variant | settings | peak RSS GB | vs default | s/iter | generate | reference | update |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['variant']} | {json.dumps(r['settings']) if r['settings'] else '-'} | "
+                     f"{r['peak_rss_gb']:.2f} | {r['peak_rss_gb'] / base['peak_rss_gb']:.2f}x | "
+                     f"{r['s_per_iter']:.1f} | "
+                     f"{r['generate_s']:.1f} | {r['reference_s']:.1f} | {r['update_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
+    p.add_argument("--source", default="smollm2-135m-instruct", help="model source (GGUF path or packaged name)")
+    p.add_argument("--iters", type=int, default=3, help="measured iterations per variant")
+    p.add_argument("--warmup", type=int, default=1, help="iterations excluded from the timing")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--name", default="memory_smollm2")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)), flush=True)
+        return []
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant {unknown[0]!r}; known: {list(VARIANTS)}")
+    directory = model_dir(args.source)
+    results = []
+    for name in names:
+        cmd = [sys.executable, __file__, "--worker", name, "--model-dir", directory, "--iters", str(args.iters),
+               "--warmup", str(args.warmup), "--threads", str(args.threads)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if out.returncode or line is None:
+            raise SystemExit(f"variant {name} failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
+        results.append(json.loads(line[len("RESULT "):]))
+        print(f"{name}: {results[-1]['peak_rss_gb']} GB, {results[-1]['s_per_iter']} s/iter", flush=True)
+    print(table(results))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(
+        {"shape": SHAPE, "source": args.source, "iters": args.iters, "warmup": args.warmup, "results": results},
+        indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
