@@ -6,6 +6,7 @@ at 4-10 GB and this machine has 24 GB), with the same seed, prompts and shape:
 
     .venv/bin/python benchmarks/bench_memory.py                       # all variants, 1 + 3 iterations each
     .venv/bin/python benchmarks/bench_memory.py --variants default,mb1 --iters 2 --warmup 1
+    .venv/bin/python benchmarks/bench_memory.py --variants default,lora,lora+mb1 --name memory_lora_smollm2
 
 Shape (issue #21's real-model reference): the packaged GGUF converted once to safetensors,
 arithmetic prompts through the chat template, reward ``gsm8k_correctness``, 8 prompts x G=8,
@@ -36,6 +37,9 @@ VARIANTS = {
     "ckpt": {"gradient_checkpointing": True},
     "mb2+ckpt": {"micro_batch_groups": 2, "gradient_checkpointing": True},
     "beta0": {"beta": 0.0},
+    # LoRA as bench_lora.py trains it (rank 16 on all linear layers; adapters take a 10x larger lr)
+    "lora": {"lora": {"rank": 16, "alpha": 32.0}, "lr": 1e-4},
+    "lora+mb1": {"lora": {"rank": 16, "alpha": 32.0}, "lr": 1e-4, "micro_batch_groups": 1},
 }
 
 

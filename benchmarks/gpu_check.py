@@ -1,4 +1,6 @@
-"""GPU checks, then timings, for grpo_core on a Qwen2-0.5B-shaped random model in bf16.
+"""GPU checks, then timings, for grpo_core on random models of SmolLM2-135M's and Qwen2-0.5B's
+shapes in bf16 (random weights: the device machine reaches no registry, and the shape alone sets
+the speed).
 
     bash benchmarks/gpu_check.sh                # a GPU machine; <= 8 minutes on one GPU
     bash benchmarks/gpu_check.sh --cpu-smoke    # anywhere: the same code paths on CPU, tiny config
@@ -11,12 +13,17 @@
   4. shared-prefix decoder vs transformers generate: greedy tokens equal (tiny fp32 model; the
      bf16 model's match rate is reported), shared-prefix scoring vs full forward (fp32: equal
      to 1e-4; bf16: reported);
-then times, on the big model: generation tokens/s (our decoder and generate), the reference
+then, per shape, checks one step's gradient (bf16 autocast on the device vs CPU fp32, SmolLM2's
+shape: cosine > 0.99) and times generation tokens/s (our decoder and generate), the reference
 forward, and the policy forward+backward+AdamW step (bf16 weights; then fp32 weights under
 autocast, what ``precision = "bf16"`` trains with; its generation is timed too), with MFU = FLOPs / time / peak, FLOPs =
 3 x forward, forward = 2 x matmul params x tokens processed (+ 2 x d x V per scored position)
 + causal attention 4 x d x keys per query and layer. ``ddp`` (under torchrun, nproc = GPU count)
-checks an all_reduce and one DDP Trainer.update against the one-process gradient. Failures are
+checks an all_reduce and one DDP Trainer.update against the one-process gradient, then FSDP2
+(``parallelism = "fsdp2"``: nccl all-gather / reduce-scatter, FSDP's bf16 mixed-precision policy):
+the fp32 update equals the one-process gradient and the bf16 one points the same way (cosine >
+0.99). On one GPU the trainer refuses fsdp2 (nothing to shard over), so the check shards the tiny
+model over the 1-rank group directly: the same collectives and precision policy, unsplit. Failures are
 collected, written to the JSON ($OUT or benchmarks/results) and make the exit code 1.
 """
 from __future__ import annotations
@@ -35,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from grpo_core import dist  # noqa: E402
+from grpo_core import dist, sharding  # noqa: E402
 from grpo_core.algorithm import group_advantages, token_logprobs  # noqa: E402
 from grpo_core.decode import sample_inverse_cdf, sample_shared_prefix  # noqa: E402
 from grpo_core.losses import grpo_loss  # noqa: E402
@@ -46,6 +53,8 @@ from grpo_core.update_parts import wrap_ddp  # noqa: E402
 
 BIG = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
            intermediate_size=4864, vocab_size=151936)  # Qwen2-0.5B's shape
+SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+               intermediate_size=1536, vocab_size=49152)  # SmolLM2-135M's shape (Llama, tied embeddings)
 SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=1000)
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}  # dense spec
@@ -75,10 +84,11 @@ def timed(fn, dev, reps: int):
     return sorted(times)[len(times) // 2], out
 
 
-def big_model(shape: dict, dev, dtype):
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def big_model(shape: dict, dev, dtype, arch: str = "qwen2"):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    cfg = Qwen2Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True)
+    config = LlamaConfig if arch == "llama" else Qwen2Config
+    cfg = config(**shape, max_position_embeddings=4096, tie_word_embeddings=True)
     torch.manual_seed(0)
     with torch.device(dev):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -193,6 +203,20 @@ def correctness(dev, tmp: str, vocab: int) -> dict:
     check("Trainer.update precision=bf16 vs fp32 on the device", cos > 0.999 and all(
         p.dtype == torch.float32 for p in tr.model.parameters()), f"(gradient cosine {cos:.6f})")
     res["trainer_update_bf16_grad_cosine"] = cos
+    # LoRA (rank 4, peft): adapter gradients on the device vs CPU (fp32), and bf16 vs fp32 there
+    lora = {}
+    for d, prec in ((dev, "fp32"), (torch.device("cpu"), "fp32"), (dev, "bf16")):
+        tr = trainer_for(model_dir, f"{tmp}/lora_{d.type}_{prec}", dist.DistInfo(0, 1, 0, d), group_size=8,
+                         precision=prec, lora={"rank": 4, "alpha": 8.0})
+        tr.update(copy.deepcopy(batch))
+        lora[d.type, prec] = grads(tr.model)
+    ok, worst = close_grads(lora[dev.type, "fp32"], lora["cpu", "fp32"])
+    check("LoRA Trainer.update adapter gradients, device vs CPU", ok and all("lora_" in k for k in lora["cpu", "fp32"]),
+          f"(worst rel diff {worst:.1e})")
+    flat = [torch.cat([d[k].flatten() for k in sorted(d)]) for d in (lora[dev.type, "bf16"], lora[dev.type, "fp32"])]
+    cos = torch.nn.functional.cosine_similarity(*flat, dim=0).item()
+    check("LoRA Trainer.update precision=bf16 vs fp32 on the device", cos > 0.999, f"(gradient cosine {cos:.6f})")
+    res["lora_update_worst_rel_grad_diff"], res["lora_update_bf16_grad_cosine"] = worst, cos
     # the shared-prefix decoder and scorer vs generate / full forward on the tiny fp32 model
     from grpo_core.models import load_policy
     model, tok = load_policy(model_dir)
@@ -238,11 +262,38 @@ def flops_per_step(c: dict, N: int, G: int, P: int, T: int) -> float:
     return 3 * fwd
 
 
-def timings(dev, smoke: bool) -> dict:
-    shape = SMOKE if smoke else BIG
+def step_agreement(dev, shape: dict, arch: str) -> float:
+    """Gradient cosine of one GRPO loss step: the random ``shape`` model on the device in bf16
+    autocast (fp32 weights) against the same model and batch on CPU in fp32 (2 prompts x G=2)."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(10, shape["vocab_size"], (2, 16), generator=g)
+    comp = torch.randint(10, shape["vocab_size"], (4, 12), generator=g)
+    batch = RolloutBatch(ids.repeat_interleave(2, 0), torch.ones(4, 16, dtype=torch.long), comp,
+                         torch.ones(4, 12, dtype=torch.bool), torch.zeros(4, dtype=torch.bool), 2, [], [])
+    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    out = []
+    for d, amp in ((dev, True), (torch.device("cpu"), False)):
+        model = big_model(shape, d, torch.float32, arch)
+        with torch.autocast(device_type=d.type, dtype=torch.bfloat16, enabled=amp):
+            logp, _ = completion_logprobs(model, batch, 1.0)
+        loss, _ = grpo_loss(logp, logp.detach(), None, batch.advantages.to(d), batch.completion_mask.to(d),
+                            beta=0.0, loss_type="dapo")
+        loss.backward()
+        out.append(torch.cat([p.grad.float().flatten().cpu() for p in model.parameters()]))
+    return torch.nn.functional.cosine_similarity(*out, dim=0).item()
+
+
+SHAPES = {"smollm2-135m": (SMOLLM2, "llama"), "qwen2-0.5b": (BIG, "qwen2")}
+
+
+def timings(dev, smoke: bool, shape_name: str) -> dict:
+    shape, arch = (SMOKE, SHAPES[shape_name][1]) if smoke else SHAPES[shape_name]
     N, G, P, T, reps = (2, 2, 8, 8, 2) if smoke else (16, 8, 64, 128, 3)
-    print(f"== timings on {dev}: Qwen2-shaped {shape}, bf16, {N} prompts x G={G}, P={P}, T={T}", flush=True)
-    model = big_model(shape, dev, torch.bfloat16)
+    print(f"== timings on {dev}: {shape_name}-shaped {shape}, bf16, {N} prompts x G={G}, P={P}, T={T}", flush=True)
+    if shape_name == "smollm2-135m":
+        cos = step_agreement(dev, shape, arch)
+        check(f"{shape_name} step: bf16 autocast on the device vs CPU fp32", cos > 0.99, f"(gradient cosine {cos:.5f})")
+    model = big_model(shape, dev, torch.bfloat16, arch)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(2)
@@ -343,6 +394,7 @@ def ddp_part(tmp: str) -> dict:
     tr.update(full.select_groups(rows))
     res = {"world_size": world, "backend": torch.distributed.get_backend(), "all_reduce_ok": ok_reduce}
     ddp_grads = grads(tr.model)
+    fsdp = {prec: fsdp2_grads(model_dir, tmp, info, full, rows, prec) for prec in ("fp32", "bf16")}
     dist.cleanup()  # the one-process reference below must not join collectives
     if info.is_main:
         print(f"== ddp: {world} rank(s), backend {res['backend']}", flush=True)
@@ -352,7 +404,52 @@ def ddp_part(tmp: str) -> dict:
         ok, worst = close_grads(ddp_grads, grads(one.model))
         check("DDP update gradients == one-process update (dapo)", ok, f"(worst rel diff {worst:.1e})")
         res["worst_rel_grad_diff"] = worst
+        reference = grads(one.model) if world > 1 else direct_grads(model_dir, dev, full)
+        ok, worst = close_grads(fsdp["fp32"], reference)
+        check(f"FSDP2 fp32 gradients == one-process ({'trainer update' if world > 1 else '1-rank shard'})",
+              ok, f"(worst rel diff {worst:.1e})")
+        cos = cosine(fsdp["bf16"], reference)
+        check("FSDP2 bf16 mixed-precision gradients ~ fp32 (cosine > 0.99)", 0.99 < cos, f"(cosine {cos:.5f})")
+        res.update(fsdp2_worst_rel_grad_diff=worst, fsdp2_bf16_cosine=cos)
     return res
+
+
+def cosine(a: dict, b: dict) -> float:
+    flat = lambda g: torch.cat([g[k].flatten().double() for k in sorted(b)])  # noqa: E731
+    return torch.nn.functional.cosine_similarity(flat(a), flat(b), dim=0).item()
+
+
+def fsdp2_grads(model_dir: str, tmp: str, info, full: RolloutBatch, rows, precision: str) -> dict:
+    """Whole gradients (gathered from the shards) of one fsdp2 update on every rank's groups:
+    the trainer's with >= 2 ranks; with one, the tiny model sharded over the 1-rank group
+    directly, scoring all of ``full`` through FSDP's root (``direct_grads``' loss)."""
+    if info.world_size > 1:
+        tr = trainer_for(model_dir, f"{tmp}/fsdp-{precision}{info.rank}", info, prompts_per_iter=2 * info.world_size,
+                         parallelism="fsdp2", precision=precision)
+        tr.update(full.select_groups(rows))
+        model = tr.model
+    else:
+        from grpo_core.models import load_policy
+
+        model, _ = load_policy(model_dir)
+        model.to(info.device)
+        root = sharding.shard(model, precision)
+        with torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            logp, _ = root(copy.deepcopy(full), 1.0)
+        (logp * full.completion_mask.to(info.device)).sum().backward()
+    return {n: sharding.full_value(p.grad).detach().float().cpu() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def direct_grads(model_dir: str, dev, full: RolloutBatch) -> dict:
+    """The unsharded fp32 gradient of the loss ``fsdp2_grads`` uses on one GPU."""
+    from grpo_core.models import load_policy
+
+    model, _ = load_policy(model_dir)
+    model.to(dev)
+    logp, _ = completion_logprobs(model, copy.deepcopy(full), 1.0)
+    (logp * full.completion_mask.to(dev)).sum().backward()
+    return grads(model)
 
 
 def main(argv=None) -> int:
@@ -373,7 +470,7 @@ def main(argv=None) -> int:
             return 2
         dev = torch.device("cpu" if a.cpu_smoke else "cuda")
         res = {"correctness": correctness(dev, tmp, 1000 if a.cpu_smoke else BIG["vocab_size"])}
-        res["timings"] = timings(dev, a.cpu_smoke)
+        res["timings"] = {name: timings(dev, a.cpu_smoke, name) for name in SHAPES}
     res.update(failures=FAILURES, cpu_smoke=a.cpu_smoke, torch=torch.__version__)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1, default=str))

@@ -28,7 +28,7 @@ fi
 status=0
 echo "== single process: correctness vs CPU references, then generation / training-step timings"
 timeout 330 "$PY" benchmarks/gpu_check.py single $SMOKE --out "$OUT_DIR/gpu_check.json" || status=$?
-echo "== DDP over $NPROC process(es): all_reduce + one DDP Trainer.update vs one process"
+echo "== DDP, then FSDP2, over $NPROC process(es): all_reduce + one Trainer.update each vs one process"
 timeout 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
   benchmarks/gpu_check.py ddp $SMOKE --out "$OUT_DIR/gpu_check_ddp.json" || status=$?
 if [[ $status -eq 0 ]]; then echo "== gpu_check: all checks passed"; else echo "== gpu_check: FAILED (exit $status)"; fi

@@ -1,8 +1,10 @@
 """Training checkpoints: complete or absent, verified by checksum, found again after a crash.
 
-A checkpoint is a directory ``ckpt-<iteration:06d>/`` holding the model weights (safetensors),
-optimizer and scheduler state, RNG states and ``state.json`` (iteration, data position,
-counters), plus ``manifest.json`` with the size and sha256 of every file. It is written into a
+A checkpoint is a directory ``ckpt-<iteration:06d>/`` holding the model weights (safetensors)
+and optimizer state (for a sharded policy instead: every rank's shards of both, written by
+``torch.distributed.checkpoint`` as ``.metadata`` plus ``__<rank>_0.distcp``), scheduler state,
+RNG states and ``state.json`` (iteration, data position, counters), plus ``manifest.json`` with
+the size and sha256 of every file. It is written into a
 hidden temporary directory, flushed to disk (fsync) and renamed into place only after the
 manifest is written, so a crash, a power loss or a full disk leaves the previous checkpoint
 intact. Loading verifies every checksum; a corrupt or truncated checkpoint is skipped with a
@@ -27,7 +29,15 @@ from grpo_core.models import unwrap
 
 PREFIX = "ckpt-"
 MANIFEST = "manifest.json"
-REQUIRED = frozenset({"model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json"})
+REQUIRED = frozenset({"scheduler.pt", "rng.pt", "state.json"})
+WEIGHTS = frozenset({"model.safetensors", "optimizer.pt"})  # one process's weights and AdamW state, or
+SHARDED = ".metadata"  # the index of torch.distributed.checkpoint's per-rank shards (parallelism fsdp2)
+
+
+def has_required(names) -> bool:
+    """A manifest's names hold a whole checkpoint: the common files and the weights, either kind."""
+    names = set(names)
+    return REQUIRED <= names and (WEIGHTS <= names or SHARDED in names)
 
 
 def name_for(iteration: int) -> str:
@@ -52,16 +62,21 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(ckpt_root: str | Path, iteration: int, model, optimizer, scheduler, state: dict,
-         extra_files: dict[str, Path] | None = None) -> Path:
+         extra_files: dict[str, Path] | None = None, write_shards=None) -> Path:
     """Write ``ckpt-<iteration>`` atomically under ``ckpt_root`` and return its path.
-    ``extra_files`` (name -> existing file) are copied in and covered by the manifest."""
+    ``extra_files`` (name -> existing file) are copied in and covered by the manifest.
+    ``write_shards(tmp_dir)``, if given, writes the weights and optimizer state instead (the
+    sharded policy's ranks, all into the directory being filled)."""
     final = Path(ckpt_root) / name_for(iteration)
     module = unwrap(model)
 
     def fill(tmp: Path) -> None:
-        weights = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
-        _save_weights(weights, tmp / "model.safetensors")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if write_shards is not None:
+            write_shards(tmp)
+        else:
+            weights = {k: v.detach().contiguous().cpu() for k, v in trained_weights(module).items()}
+            _save_weights(weights, tmp / "model.safetensors")
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({**state, "iteration": iteration}, indent=1))
@@ -83,6 +98,26 @@ def save(ckpt_root: str | Path, iteration: int, model, optimizer, scheduler, sta
         raise
 
 
+def trained_weights(module) -> dict:
+    """What training changes: the whole state dict, or, when some parameters are frozen (LoRA),
+    only the trained ones (the adapters)."""
+    params = dict(module.named_parameters())
+    if all(p.requires_grad for p in params.values()):
+        return module.state_dict()
+    return {k: p for k, p in params.items() if p.requires_grad}
+
+
+def _load_weights(module, path: Path) -> None:
+    """Load a ``trained_weights`` file; every trained parameter must be in it and nothing else."""
+    missing, unexpected = module.load_state_dict(load_file(str(path)), strict=False)
+    trained = {k for k, p in module.named_parameters() if p.requires_grad}
+    absent = sorted(set(missing) & trained)
+    if absent or unexpected:
+        raise ValueError(f"checkpoint weights {path} do not fit this model (missing {absent[:3]}, unexpected "
+                         f"{sorted(unexpected)[:3]}): it was written with other lora settings or another "
+                         "model. Resume with the settings it was written with, or start a new run.")
+
+
 def _save_weights(weights: dict, path: Path) -> None:
     # Tied weights (embeddings == lm_head) share storage; safetensors refuses shared tensors.
     seen, out = {}, {}
@@ -98,7 +133,7 @@ def verify(path: str | Path) -> bool:
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        if not isinstance(manifest, dict) or not REQUIRED <= set(manifest):
+        if not isinstance(manifest, dict) or not has_required(manifest):
             return False
         for name, meta in manifest.items():
             f = path / name
@@ -147,16 +182,27 @@ def latest(locations: list[str], scratch: str | Path) -> Path | None:
     return None
 
 
-def load(path: str | Path, model, optimizer, scheduler) -> dict:
-    """Restore model/optimizer/scheduler/RNG from a verified checkpoint; returns state.json."""
+def load(path: str | Path, model, optimizer, scheduler, read_shards=None) -> dict:
+    """Restore model/optimizer/scheduler/RNG from a verified checkpoint; returns state.json.
+    ``read_shards(path)`` loads a sharded checkpoint's weights and optimizer state (given exactly
+    when the live policy is sharded: the two kinds do not load into each other)."""
     path = Path(path)
-    unwrap(model).load_state_dict(load_file(str(path / "model.safetensors")))
-    saved = _load_tensors(path / "optimizer.pt")
-    for group, live in zip(saved["param_groups"], optimizer.param_groups):
-        for key in ("fused", "foreach"):  # the implementation is where we run, not where we saved
-            if key in live:
-                group[key] = live[key]
-    optimizer.load_state_dict(saved)
+    sharded = (path / SHARDED).is_file()
+    if sharded != (read_shards is not None):
+        written, now = ("fsdp2", "ddp") if sharded else ("ddp", "fsdp2")
+        raise ValueError(f"checkpoint {path} was written with parallelism = '{written}', but this stage runs "
+                         f"'{now}'. Resume with parallelism = '{written}' (fsdp2: on the same number of ranks), "
+                         "or start a new run.")
+    if sharded:
+        read_shards(path)
+    else:
+        _load_weights(unwrap(model), path / "model.safetensors")
+        saved = _load_tensors(path / "optimizer.pt")
+        for group, live in zip(saved["param_groups"], optimizer.param_groups):
+            for key in ("fused", "foreach"):  # the implementation is where we run, not where we saved
+                if key in live:
+                    group[key] = live[key]
+        optimizer.load_state_dict(saved)
     scheduler.load_state_dict(_load_tensors(path / "scheduler.pt"))
     set_rng_state(_load_tensors(path / "rng.pt"))
     return json.loads((path / "state.json").read_text())
@@ -177,7 +223,7 @@ def _sizes_match(manifest_text: str | None, size_of) -> bool:
     every listed file's recorded size."""
     try:
         manifest = json.loads(manifest_text or "null")
-        return isinstance(manifest, dict) and REQUIRED <= set(manifest) and all(
+        return isinstance(manifest, dict) and has_required(manifest) and all(
             size_of(n) == m["size"] for n, m in manifest.items())
     except (OSError, ValueError, KeyError, TypeError):  # OSError: a file removed while looking
         return False

@@ -21,6 +21,7 @@ SCALES = ("group", "batch", "none")
 TASKS = ("arithmetic", "gsm8k")
 SAMPLERS = ("inverse_cdf", "multinomial")
 PRECISIONS = ("fp32", "bf16")
+PARALLELISMS = ("ddp", "fsdp2")
 TINY_ARCHITECTURES = ("llama", "qwen2")  # models.ARCHITECTURES (config cannot import torch)
 FRACTION_METRICS = ("eval_accuracy", "informative_frac")  # gate metrics that never exceed 1
 GATE_METRICS = ("eval_accuracy", "informative_frac", "reward")
@@ -107,13 +108,41 @@ def check_arithmetic(ops: str, lo: int, hi: int, where: str):
 
 
 @dataclass
+class LoraSettings:
+    """LoRA through peft (a stage's ``[<stage>.lora]`` table): rank 0 trains every weight."""
+
+    rank: int = 0
+    """Adapter rank r; 0 is full fine-tuning. With r > 0 only the adapters train (AdamW state for
+    them alone) and the reference is the policy with its adapters off: no second copy of the model."""
+    alpha: float = 16.0
+    """LoRA alpha: the adapter's output is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training (needs disable_dropout = false: sampling,
+    scoring and the update would otherwise see different random networks)."""
+    target_modules: str | list = "all-linear"
+    """Module names (or suffixes) that get adapters, as peft's ``target_modules``: "all-linear" is
+    every linear layer except the LM head; e.g. ["q_proj", "v_proj"] for attention only."""
+
+    def check(self, w: str, disable_dropout: bool) -> None:
+        require(self.rank >= 0, f"{w}.lora.rank", f"must be >= 0 (0 = full fine-tuning), got {self.rank}")
+        require(math.isfinite(self.alpha) and self.alpha > 0, f"{w}.lora.alpha", f"must be > 0, got {self.alpha}")
+        require(0 <= self.dropout < 1, f"{w}.lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        require(not (self.dropout and disable_dropout), f"{w}.lora.dropout",
+                f"{self.dropout} would be zeroed by disable_dropout = true; set disable_dropout = false to "
+                "train with adapter dropout, or lora.dropout = 0")
+        names = [self.target_modules] if isinstance(self.target_modules, str) else self.target_modules
+        require(bool(names) and all(isinstance(n, str) and n for n in names), f"{w}.lora.target_modules",
+                f"{self.target_modules!r}: give \"all-linear\" or a non-empty list of module names")
+
+
+@dataclass
 class GRPOConfig:
     """One GRPO stage (the curriculum and GSM8K stages each get one)."""
 
     model: str = ""
     """Starting policy: hub id, local HF dir or s3:// URI."""
     stage: str = "grpo"
-    """Stage name: used for metric prefixes, fault injection and MLflow child runs."""
+    """Stage name: used for metric prefixes, output dirs and MLflow child runs."""
     task: str = "arithmetic"
     """Training prompts: 'arithmetic' (generated curriculum) or 'gsm8k' (train split)."""
     gsm8k_source: str = "openai/gsm8k"
@@ -132,6 +161,8 @@ class GRPOConfig:
     from free text (``#### N``, ``<answer>N</answer>``, "the answer is N", else the last number)."""
     rewards: list = field(default_factory=lambda: [dict(r) for r in DEFAULT_REWARDS])
     """Reward functions: [{fn = 'package.module:function', weight = 1.0}] (code execution!)."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """LoRA adapters instead of full fine-tuning (``[<stage>.lora]``; see ``LoraSettings``)."""
     trust_remote_code: bool = False
     """Allow model code from the checkpoint; off unless you trust its source."""
     disable_dropout: bool = True
@@ -194,6 +225,12 @@ class GRPOConfig:
     on CPU the casts cost more than they save at small sizes (decoding a hidden-128 model took 1.4x
     the fp32 time here, on a CPU with AMX). Sampling and scoring then both see bf16 logits (~1e-2
     from fp32's); the on-policy ratio is still exactly 1 (mu = 1)."""
+    parallelism: str = "ddp"
+    """How a multi-rank stage holds the policy: ddp (a full copy of weights, gradients and AdamW
+    state on every rank) | fsdp2 (``fully_shard`` per decoder layer plus the root: each rank holds
+    1/world of them; full weights are gathered for each rollout). fsdp2 needs >= 2 ranks and full
+    fine-tuning (not LoRA); its checkpoints are sharded (torch.distributed.checkpoint) and resume
+    on the same number of ranks."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations during backward (transformers'
     ``gradient_checkpointing_enable``, non-reentrant): the update keeps one layer's activations
@@ -261,6 +298,7 @@ class GRPOConfig:
         check_choice(self.scale, SCALES, f"{w}.scale")
         check_choice(self.sampler, SAMPLERS, f"{w}.sampler")
         check_choice(self.precision, PRECISIONS, f"{w}.precision")
+        check_choice(self.parallelism, PARALLELISMS, f"{w}.parallelism")
         require(self.group_size >= 2, f"{w}.group_size", f"{self.group_size} < 2: a group needs at least "
                  "two samples for a baseline; set group_size >= 2")
         for name in ("prompts_per_iter", "iterations", "mu", "max_new_tokens", "save_every",
@@ -286,6 +324,15 @@ class GRPOConfig:
         require(self.micro_batch_groups >= 0, f"{w}.micro_batch_groups",
                  f"must be >= 0 (0 = all of a rank's groups at once), got {self.micro_batch_groups}")
         check_arithmetic(self.arith_ops, self.arith_min, self.arith_max, w)
+        if isinstance(self.lora, dict):  # built directly (tests, benchmarks) rather than from a table
+            self.lora = from_dict(LoraSettings, self.lora, f"{w}.lora")
+        self.lora.check(w, self.disable_dropout)
+        if self.parallelism == "fsdp2":
+            require(not self.lora.rank, f"{w}.parallelism", "'fsdp2' with LoRA (lora.rank > 0) is not supported "
+                    "(LoRA's gradients and AdamW state are already small); use parallelism = 'ddp' with LoRA, "
+                    "or lora.rank = 0 with fsdp2")
+            require(not self.compile_scoring, f"{w}.parallelism", "'fsdp2' with compile_scoring = true is not "
+                    "supported; set compile_scoring = false or parallelism = 'ddp'")
         if self.gate_metric is not None:
             check_choice(self.gate_metric, GATE_METRICS, f"{w}.gate_metric")
             require(self.gate_metric != "eval_accuracy" or self.eval_every > 0, f"{w}.gate_metric",

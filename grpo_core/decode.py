@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from grpo_core.config import SAMPLERS
+from grpo_core.lora import is_linear_map, linear_weights
 
 FAST_DECODE_MODEL_TYPES = ("llama", "qwen2")  # pre-norm RMSNorm, rotary, q/k/v/o attention, SiLU-gated MLP
+LINEAR_ATTN, LINEAR_MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
 
 
 def fast_decode_supported(model) -> bool:
@@ -37,7 +39,9 @@ def fast_decode_supported(model) -> bool:
         return (getattr(cfg, "hidden_act", None) == "silu" and hasattr(inner, "rotary_emb")
                 and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim"))
                 and not hasattr(attn, "q_norm") and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
-                and all(hasattr(m, "variance_epsilon") for m in (layer.input_layernorm, inner.norm)))
+                and all(hasattr(m, "variance_epsilon") for m in (layer.input_layernorm, inner.norm))
+                and all(is_linear_map(getattr(block, n)) for each in inner.layers
+                        for block, names in ((each.self_attn, LINEAR_ATTN), (each.mlp, LINEAR_MLP)) for n in names))
     except (AttributeError, IndexError, TypeError):  # wrapped or unusual models: use generate
         return False
 
@@ -138,7 +142,7 @@ class _Stepper:
         """cache: the prefill's DynamicCache of the N prompts [N, nkv, P, D]; mask [N, P]."""
         self.model, self.inner = model, model.model
         attn = self.inner.layers[0].self_attn
-        lin = lambda m: (m.weight, m.bias)  # noqa: E731
+        lin = linear_weights  # a LoRA layer's base weight plus its adapters' delta
         self.layers = [(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
                         lin(layer.self_attn.q_proj), lin(layer.self_attn.k_proj), lin(layer.self_attn.v_proj),
                         lin(layer.self_attn.o_proj), layer.post_attention_layernorm.weight,

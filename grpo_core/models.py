@@ -246,15 +246,16 @@ def unwrap(model):
     return model
 
 
-def save_policy(model, tok, out_dir: str | Path) -> Path:
-    """Write an HF model dir (safetensors + tokenizer) atomically: temp dir, then rename."""
+def save_policy(model, tok, out_dir: str | Path, state_dict: dict | None = None) -> Path:
+    """Write an HF model dir (safetensors + tokenizer) atomically: temp dir, then rename.
+    ``state_dict`` replaces the model's own weights (a sharded model's gathered ones)."""
     from transformers.utils.logging import disable_progress_bar
 
     disable_progress_bar()  # no "Writing model shards" bar per save in the step logs
     model = unwrap(model)
 
     def fill(tmp: Path) -> None:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         tok.save_pretrained(tmp)
 
     return storage.replace_dir(out_dir, fill)

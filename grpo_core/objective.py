@@ -27,6 +27,11 @@ def objective_card(cfg, world_size: int, rendered_prompt: str | None = None) -> 
         "surrogate": loss.surrogate.format(lo=f"{1 - cfg.clip_low:g}", hi=f"{1 + clip_high:g}"),
         "kl_estimator": "k3 = exp(ref - logp) - (ref - logp) - 1, per token, not importance-weighted"
                         if cfg.beta > 0 else "none (beta = 0, no reference model)",
+        "reference": ("none" if cfg.beta == 0 else "the policy with its LoRA adapters off" if cfg.lora.rank
+                      else "a frozen copy of the stage's starting policy"),
+        "trained_weights": (f"LoRA adapters: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} (scale "
+                            f"{cfg.lora.alpha / cfg.lora.rank:g}), dropout {cfg.lora.dropout:g}, on "
+                            f"{cfg.lora.target_modules}" if cfg.lora.rank else "all (full fine-tuning)"),
         "beta": cfg.beta,
         "scoring_temperature": cfg.temperature,
         "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k},
@@ -40,6 +45,11 @@ def objective_card(cfg, world_size: int, rendered_prompt: str | None = None) -> 
         "truncated_completions": "masked out of the loss" if cfg.mask_truncated else "kept",
         "dynamic_sampling": cfg.dynamic_sampling,
         "world_size": world_size,
+        "parallelism": ("fsdp2: weights, gradients and AdamW state sharded over the ranks (FSDP "
+                        + ("bf16 gather, fp32 gradient reduction" if cfg.precision == "bf16" else "fp32")
+                        + "); full weights gathered for rollouts and reference scoring"
+                        if cfg.parallelism == "fsdp2" else
+                        "ddp: a full copy per rank, gradients all-reduced" if world_size > 1 else "one process"),
         "reward_functions": cfg.rewards,
         "system_prompt": cfg.system_prompt if cfg.system_prompt is not None else "none (the chat template's default)",
         "rendered_prompt_example": rendered_prompt,

@@ -220,6 +220,9 @@ class PipelineConfig:
             require(cfg.prompts_per_iter % world == 0, f"{stage}.prompts_per_iter",
                      f"{cfg.prompts_per_iter} prompts cannot be split across {world} ranks "
                      f"(compute.nproc_per_node); use a multiple of {world}")
+            require(cfg.parallelism != "fsdp2" or world >= 2, f"{stage}.parallelism",
+                    f"'fsdp2' shards over ranks, but compute.nproc_per_node = {world}; set nproc_per_node >= 2 "
+                    "or parallelism = 'ddp'")
             setattr(self, stage, table)
         if self.tracking_uri:
             from grpo_core.tracking import check_no_credentials

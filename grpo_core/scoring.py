@@ -119,14 +119,19 @@ class CompletionScorer(torch.nn.Module):
     (the prompts once per group, then the completions on the repeated cache). Wrapping this module
     instead of the bare model makes both calls one DDP forward, so multi-rank training keeps the
     saving. Parameters are the model's own; checkpoints and saved models use ``models.unwrap``.
+
+    ``shared_prefix=False`` always takes the full forward, one model call whatever the batch:
+    FSDP gathers and reduces per layer call, so every rank must call each layer equally often,
+    while shared-prefix scoring calls the model once per length chunk of the rank's own data.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, shared_prefix: bool = True):
         super().__init__()
         self.module = model  # named as DDP names it, so ``models.unwrap`` strips both layers
+        self.shared_prefix = shared_prefix
 
     def forward(self, batch: RolloutBatch, temperature: float, with_entropy: bool = False):
-        return completion_logprobs(self.module, batch, temperature, with_entropy)
+        return completion_logprobs(self.module, batch, temperature, with_entropy, self.shared_prefix)
 
 
 def _replays_layers(model) -> bool:
@@ -136,21 +141,23 @@ def _replays_layers(model) -> bool:
     return activation_checkpointing(model) and model.training and torch.is_grad_enabled()
 
 
-def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_entropy: bool = False):
+def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_entropy: bool = False,
+                        shared_prefix: bool = True):
     """Per-token log-probs of the completion tokens [B, T] (and entropy [B, T] if asked).
 
     Positions after a row's EOS (``completion_mask`` False) may be skipped and hold 0: mask them,
     as the loss does.
 
     ``model``: a causal LM, or DDP around a ``CompletionScorer`` (shared-prefix scoring, one DDP
-    forward) or around a bare LM (the full forward: the one forward DDP allows).
+    forward) or around a bare LM (the full forward: the one forward DDP allows), or a
+    ``CompletionScorer`` that FSDP shards (``sharding.shard``).
     """
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    if ddp and isinstance(model.module, CompletionScorer):
-        return model(batch, temperature, with_entropy)
+    if isinstance(model, CompletionScorer) or (ddp and isinstance(model.module, CompletionScorer)):
+        return model(batch, temperature, with_entropy)  # DDP's or FSDP's root around the scorer
     device = next(model.parameters()).device
     T, targets = batch.completion_ids.shape[1], batch.completion_ids.to(device)
-    if groups_share_prompts(batch) and not ddp and not _replays_layers(model):
+    if shared_prefix and groups_share_prompts(batch) and not ddp and not _replays_layers(model):
         pieces = _shared_prefix_logits(model, batch, device)                           # [(rows, [b, L, V])]
     else:
         ids, attn, pos = forward_inputs(batch, device)

@@ -32,9 +32,10 @@ class StageCheckpoints:
             torch.distributed.broadcast_object_list(found, src=0)
         return Path(found[0]) if found[0] else None
 
-    def load(self, path: Path, model, opt, sched) -> dict:
-        """Weights, optimizer, schedule and RNG state into the given objects; returns the stage state."""
-        return checkpoint.load(path, model, opt, sched)
+    def load(self, path: Path, model, opt, sched, read_shards=None) -> dict:
+        """Weights, optimizer, schedule and RNG state into the given objects; returns the stage
+        state. ``read_shards(path)``: a sharded policy's reader (every rank calls it)."""
+        return checkpoint.load(path, model, opt, sched, read_shards)
 
     def republish(self, ckpt: Path, iteration: int) -> None:
         """Copy a checkpoint found elsewhere (the origin run of a flow ``resume``) to this run's
@@ -46,12 +47,24 @@ class StageCheckpoints:
         if not checkpoint.stored_complete(copy):  # absent, or an earlier republish cut short
             storage.put_dir(ckpt, copy)
 
-    def save(self, iteration: int, model, opt, sched, state: dict, extra_files: dict[str, Path]) -> None:
+    def save(self, iteration: int, model, opt, sched, state: dict, extra_files: dict[str, Path],
+             write_shards=None) -> None:
         """Rank 0: an atomic local checkpoint (with ``extra_files`` copied in), its copy in the
-        run's storage, then pruning to ``keep_checkpoints`` in both. Other ranks do nothing."""
+        run's storage, then pruning to ``keep_checkpoints`` in both. Other ranks do nothing,
+        except for a sharded policy: then every rank calls ``write_shards(dir)`` with the one
+        temporary directory rank 0 is filling (sent to them), before rank 0 completes it."""
+        into_agreed_dir = None
+        if write_shards is not None:
+            def into_agreed_dir(tmp: Path | None) -> None:
+                agreed = [str(tmp) if tmp else ""]
+                torch.distributed.broadcast_object_list(agreed, src=0)
+                write_shards(Path(agreed[0]))
+
+            if not self.info.is_main:
+                into_agreed_dir(None)
         if not self.info.is_main:
             return
-        path = checkpoint.save(self.dir, iteration, model, opt, sched, state, extra_files)
+        path = checkpoint.save(self.dir, iteration, model, opt, sched, state, extra_files, into_agreed_dir)
         if self.cfg.sync_uri:
             remote = storage.join(self.cfg.sync_uri, "checkpoints")
             storage.put_dir(path, storage.join(remote, path.name))
@@ -61,10 +74,11 @@ class StageCheckpoints:
                 warnings.warn(f"could not prune old checkpoints under {remote}: {exc}")
         checkpoint.prune(self.dir, self.cfg.keep_checkpoints, written=path.name)
 
-    def publish_final(self, model, tok, out: Path) -> str:
-        """Rank 0: the stage's final model as a safetensors HF dir, copied to storage when the
-        stage has a sync_uri; returns where the next stage loads it from."""
-        final = save_policy(model, tok, out / "final")
+    def publish_final(self, model, tok, out: Path, state_dict: dict | None = None) -> str:
+        """Rank 0: the stage's final model as a safetensors HF dir (``state_dict``: its weights,
+        when the model's own are sharded), copied to storage when the stage has a sync_uri;
+        returns where the next stage loads it from."""
+        final = save_policy(model, tok, out / "final", state_dict)
         if self.cfg.sync_uri:
             return storage.put_dir(final, storage.join(self.cfg.sync_uri, "final"))
         return str(final)

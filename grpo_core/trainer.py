@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_core import dist, storage
+from grpo_core import dist, lora, sharding, storage
 from grpo_core.algorithm import group_advantages, informative_mask, masked_mean, std_from_moments
 from grpo_core.config import ConfigError
 from grpo_core.data import PromptStream, eval_rows, train_rows
@@ -73,27 +73,39 @@ class Trainer:
         self.model, self.tok = load_policy(cfg.model, trust_remote_code=cfg.trust_remote_code)
         if cfg.disable_dropout:
             disable_dropout(self.model)
+        # LoRA: adapters injected into self.model in place; self.lora is peft's handle (reference, merge)
+        self.lora = lora.attach(self.model, cfg.lora, f"stage '{cfg.stage}'") if cfg.lora.rank else None
         self.model.to(info.device).train()
         if cfg.gradient_checkpointing:
             try:
                 enable_activation_checkpointing(self.model)
             except ValueError as exc:
                 raise ConfigError(f"stage '{cfg.stage}'.gradient_checkpointing: {exc}; set it to false") from exc
-        self.ref = None
-        if cfg.beta > 0:  # the reference is always the stage's starting policy, also on resume
+        self.sharded = cfg.parallelism == "fsdp2"
+        if self.sharded and info.world_size < 2:
+            raise ConfigError(f"stage '{cfg.stage}'.parallelism: 'fsdp2' shards over ranks, but this stage runs "
+                              "as one process; start it with torchrun --nproc_per_node >= 2, or use 'ddp'")
+        self.ref = self.ref_root = None
+        if cfg.beta > 0 and self.lora is None:  # the stage's starting policy, also on resume (LoRA:
+            # the policy with its adapters off)
             self.ref, _ = load_policy(cfg.model, trust_remote_code=cfg.trust_remote_code)
             self.ref.to(info.device).eval().requires_grad_(False)
+            if self.sharded:  # the reference is sharded too, and gathered for its scoring
+                self.ref_root = sharding.shard(self.ref, cfg.precision)
         # what scores completions: the policy itself, or compiled (same parameters); the update
-        # scores through self.ddp, DDP around a CompletionScorer on > 1 rank
+        # scores through self.ddp: DDP around a CompletionScorer on > 1 rank, or FSDP's root (one)
         self.scorer, self.ref_scorer = self.model, self.ref
         if cfg.compile_scoring:
             self.scorer = compile_for_scoring(self.model)
             self.ref_scorer = compile_for_scoring(self.ref) if self.ref is not None else None
         self.ddp = self.scorer
-        if info.world_size > 1:
+        if self.sharded:
+            self.ddp = sharding.shard(self.model, cfg.precision)  # self.model's parameters become shards
+        elif info.world_size > 1:
             self.ddp = wrap_ddp(self.scorer, info)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                     fused=fused_adamw_ok(self.model))
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # all, or LoRA's adapters
+        self.opt = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                     fused=fused_adamw_ok(self.model) and not self.sharded)
         self.sched = self._schedule()
         self.rewards = resolve_specs([RewardSpec(**r) for r in cfg.rewards])
         self.stream = PromptStream(train_rows(cfg), cfg.seed)
@@ -112,7 +124,8 @@ class Trainer:
         path = self.checkpoints.find_latest()
         if path is None:
             return 0
-        self.state = self.checkpoints.load(path, self.model, self.opt, self.sched)
+        self.state = self.checkpoints.load(path, self.model, self.opt, self.sched, read_shards=(
+            (lambda d: sharding.load_state(self.ddp, self.opt, d)) if self.sharded else None))
         self.gate.load_state_dict(self.state)
         self.sched = self._schedule(done_iterations=self.state["iteration"])
         self.recorder.restore(path, self.state["iteration"])
@@ -133,7 +146,8 @@ class Trainer:
         """A commit point: the checkpoint (rank 0), then the metrics up to it; all ranks wait."""
         self.state.update(self.gate.state_dict())
         self.checkpoints.save(iteration, self.model, self.opt, self.sched, self.state,
-                              self.recorder.checkpoint_files())
+                              self.recorder.checkpoint_files(), write_shards=(
+                                  (lambda d: sharding.save_state(self.ddp, self.opt, d)) if self.sharded else None))
         self.recorder.commit()
         dist.barrier()
 
@@ -223,17 +237,28 @@ class Trainer:
         parts = batch.split_groups(c.micro_batch_groups)
         masks = [mask] if len(parts) == 1 else list(mask.split([len(p) for p in parts]))
         t0 = time.perf_counter()
-        for part in parts:
-            with self._forward_only():
-                if self.ref is not None:
+        if self.ref is not None:
+            with self._forward_only(self.ref_root):
+                for part in parts:
                     part.ref_logp = scored_without_grad(self.ref_scorer, part, c.temperature)
-                if c.mu > 1:
+        elif self.lora is not None and c.beta > 0:  # uncompiled: a compiled graph may bake the adapters in
+            with self._forward_only(), lora.reference_mode(self.lora):
+                for part in parts:
+                    part.ref_logp = scored_without_grad(self.model, part, c.temperature)
+        if c.mu > 1:
+            with self._forward_only():
+                for part in parts:
                     part.old_logp = scored_without_grad(self.scorer, part, c.temperature)
         self.timings["time_ref"] += time.perf_counter() - t0
+        # fsdp2: each layer call is a collective, so every rank runs as many micro-batches as the
+        # rank with the most; the extra ones repeat the first with a zero loss (no gradient, no stats)
+        n_parts = int(dist.all_reduce_max(float(len(parts)), dev)) if self.sharded else len(parts)
         for _ in range(c.mu):
             self.opt.zero_grad(set_to_none=True)
             merged = MergedStats()
-            for k, (part, pmask) in enumerate(zip(parts, masks)):
+            for k in range(n_parts):
+                pad = k >= len(parts)
+                part, pmask = (parts[0], masks[0]) if pad else (parts[k], masks[k])
                 accumulate = k < len(parts) - 1 and isinstance(self.ddp, torch.nn.parallel.DistributedDataParallel)
                 with self.ddp.no_sync() if accumulate else contextlib.nullcontext():
                     with self._precision():  # the forward only: backward follows autocast's forward dtypes
@@ -247,10 +272,11 @@ class Trainer:
                         world_size=self.info.world_size)
                     weight = 1.0 if len(parts) == 1 else micro_batch_weight(
                         c.loss_type, len(part), len(batch), float(pmask.sum()), float(mask.sum()))
-                    if weight != 1.0:
-                        loss = loss * weight
+                    if weight != 1.0 or pad:
+                        loss = loss * (0.0 if pad else weight)
                     loss.backward()
-                merged.add(stats, masked_mean(ent, pmask.to(dev)).item(), loss.item(), weight)
+                if not pad:
+                    merged.add(stats, masked_mean(ent, pmask.to(dev)).item(), loss.item(), weight)
             stats = merged.result()
             stats["grad_norm"] = self._step(stats["loss"])
         self.timings["time_update"] += time.perf_counter() - t0
@@ -260,18 +286,20 @@ class Trainer:
         return precision_context(self.cfg.precision, self.info.device)
 
     @contextlib.contextmanager
-    def _forward_only(self):
+    def _forward_only(self, sharded_root=None):
         """Forwards with no backward (rollouts, reference/old scoring, evaluation): the stage's
-        precision, activation checkpointing paused (if on: pausing scans every module)."""
+        precision, activation checkpointing paused (if on: pausing scans every module), and with
+        fsdp2 the full weights gathered (the policy's, or ``sharded_root``'s: the reference's)."""
         paused = (activation_checkpointing_paused(self.model) if self.cfg.gradient_checkpointing
                   else contextlib.nullcontext())
-        with self._precision(), paused:
+        full = sharding.gathered(sharded_root or self.ddp) if self.sharded else contextlib.nullcontext()
+        with full, self._precision(), paused:
             yield
 
     def _step(self, loss: float) -> float:
         """Clip and apply the update, or skip it (and count) when anything is non-finite."""
         limit = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit).item()
+        norm = sharding.full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)).item()
         bad = dist.all_reduce_max(float(not (math.isfinite(norm) and math.isfinite(loss))))
         if bad:
             self.opt.zero_grad(set_to_none=True)
@@ -352,8 +380,10 @@ class Trainer:
         """The final model (rank 0, to storage) and the stage summary (summary.json)."""
         summary = {"stage": self.cfg.stage, "iterations_run": it, "promoted_by_gate": promoted,
                    "resumed_from_iteration": resumed_from, "skipped_updates": self.state["skipped_updates"]}
+        gathered = sharding.full_state_dict(self.ddp) if self.sharded else None  # every rank takes part
         if self.info.is_main:
-            summary["model_uri"] = self.checkpoints.publish_final(self.model, self.tok, self.out)
+            model = self.model if self.lora is None else lora.merged(self.lora)  # a plain HF dir, no peft
+            summary["model_uri"] = self.checkpoints.publish_final(model, self.tok, self.out, gathered)
             summary.update(self.recorder.close(it))
             storage.atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=1))
         dist.barrier()

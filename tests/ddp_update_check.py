@@ -10,15 +10,17 @@ advantage scale, computed by ``Trainer.advantages`` on each rank's shard. micro_
 rank0_groups (optional) gives rank 0 that many groups and rank 1 the rest (dynamic sampling leaves
 ranks with different numbers of groups); "last-rank-empty" (optional) takes the last rank's groups
 out of the loss (``loss_rows`` False), as dynamic sampling does on a rank left with nothing informative.
-A JSON object (optional, argument 10) adds GRPOConfig fields (e.g. gradient_checkpointing).
+A JSON object (optional, argument 10) adds GRPOConfig fields (e.g. gradient_checkpointing, or
+parallelism "fsdp2": the update then runs through FSDP's sharded root).
 """
 import json
 import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from grpo_core import dist, scoring
+from grpo_core import dist, scoring, sharding
 from grpo_core.config import GRPOConfig
 from grpo_core.trainer import Trainer
 from tests.helpers import fixed_rollout_batch
@@ -51,10 +53,13 @@ if last_rank_empty and info.rank == info.world_size - 1:  # as dynamic sampling 
 shard.advantages = trainer.advantages(shard.rewards, shard.loss_rows)  # scale="batch": the std over all ranks
 trainer.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
 trainer.update(shard)
-if info.is_main:
-    # gradients after DDP's all-reduce (Adam's first step amplifies float noise in near-zero
-    # gradients to +-lr, so the gradient is the right thing to compare to float tolerance)
-    grads = {n: p.grad.contiguous() for n, p in trainer.model.named_parameters() if p.grad is not None}
+# gradients after DDP's all-reduce, or FSDP's reduce-scatter gathered whole (a collective: every
+# rank); Adam's first step amplifies float noise in near-zero gradients to +-lr, so the gradient
+# is the right thing to compare to float tolerance
+grads = {n: sharding.full_value(p.grad).contiguous() for n, p in trainer.model.named_parameters()
+         if p.grad is not None}
+if info.is_main:  # this rank's parameter, gradient and AdamW-state bytes (what fsdp2 divides)
+    Path(out_file + ".bytes.json").write_text(json.dumps(sharding.training_bytes(trainer.model, trainer.opt)))
     save_file({**grads, "shared_prefix_calls": torch.tensor(float(len(shared_calls)))}, out_file)
 dist.cleanup()
 dist.end_worker_process()

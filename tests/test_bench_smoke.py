@@ -1,5 +1,7 @@
 """Smoke tests of the benchmark and GPU-check code paths (tiny configs, CPU; no timing is asserted)."""
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_grpo
 import gpu_check
 import lockstep
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_summary_and_paired_ratios_from_synthetic_runs():
@@ -82,7 +86,24 @@ def test_gpu_check_code_paths_on_cpu(tmp_path):
     out = tmp_path / "g.json"
     assert gpu_check.main(["single", "--cpu-smoke", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["failures"] == [] and res["timings"]["train_step_flops"] > 0
+    assert res["failures"] == [] and set(res["timings"]) == {"smollm2-135m", "qwen2-0.5b"}
+    assert all(t["train_step_flops"] > 0 for t in res["timings"].values())
+    assert res["correctness"]["lora_update_bf16_grad_cosine"] > 0.999
     # FLOPs: at least 6 x matmul params x tokens (the rule of thumb), attention on top
     c, (N, G, P, T) = gpu_check.SMOKE, (2, 2, 8, 8)
     assert gpu_check.flops_per_step(c, N, G, P, T) > 6 * c["hidden_size"] * c["intermediate_size"] * 3 * N * P
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_gpu_check_ddp_and_fsdp2_part_on_cpu(tmp_path, nproc):
+    """The multi-process part under real torchrun (gloo): DDP, then FSDP2 through the trainer
+    (2 ranks) or sharded directly over a 1-rank group (one GPU's case), vs one process."""
+    out = tmp_path / "ddp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(REPO / "benchmarks" / "gpu_check.py"), "ddp", "--cpu-smoke", "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["failures"] == [] and res["world_size"] == nproc
+    assert res["fsdp2_worst_rel_grad_diff"] < 1e-3 and 0.99 < res["fsdp2_bf16_cosine"] < 1.0

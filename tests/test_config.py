@@ -178,8 +178,8 @@ def test_kubernetes_config_without_resources_gets_the_defaults():
     cfg = _toml("kubernetes.toml")
     for key in ("gpu", "cpu", "memory", "shared_memory", "disk"):
         del cfg["compute"][key]
-    cfg = deep_merge(cfg, {"compute": {"nproc_per_node": 1}, "curriculum": {"prompts_per_iter": 64},
-                           "gsm8k": {"prompts_per_iter": 64}})
+    one_rank = {"prompts_per_iter": 64, "parallelism": "ddp"}  # fsdp2 needs >= 2 ranks
+    cfg = deep_merge(cfg, {"compute": {"nproc_per_node": 1}, "curriculum": one_rank, "gsm8k": one_rank})
     c = PipelineConfig.from_dict(cfg).compute
     assert (c.gpu, c.cpu, c.memory, c.shared_memory, c.disk) == (0, 2, 8192, None, None)
 

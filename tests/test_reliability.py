@@ -307,7 +307,8 @@ def test_s3_checkpoint_sync_writes_manifest_last_and_resumes(s3, moto, tmp_path)
     time.sleep(0.3)  # let the server's request log catch up
     puts = [ln.split('"PUT /ckpts/sync-order/checkpoints/ckpt-000002/')[1].split(" ")[0]
             for ln in moto.log.read_text().splitlines() if '"PUT /ckpts/sync-order/' in ln]
-    assert sorted(puts) == sorted(checkpoint.REQUIRED | {"manifest.json"}) and puts[-1] == "manifest.json", puts
+    assert sorted(puts) == sorted(checkpoint.REQUIRED | checkpoint.WEIGHTS | {"manifest.json"}), puts
+    assert puts[-1] == "manifest.json", puts
     found = checkpoint.latest([root], tmp_path / "scratch")
     assert found is not None and checkpoint.verify(found)
     assert checkpoint.load(found, *_small_state(seed=9))["iteration"] == 2
