@@ -1,7 +1,7 @@
 """Metaflow cards: what a user looks at.
 
 - training (the GRPO steps, live): one panel per metric of ``metrics.jsonl`` and a table of
-  sampled completions with their rewards, redrawn through ``launch_stage``'s ``on_progress``;
+  sampled completions with their rewards, redrawn through ``launcher.launch_stage``'s ``on_progress``;
   under them, the stage's reward trend.
 - evaluation (``join_evaluations``): every stage's held-out accuracy with its interval, the
   share of answers cut off, the change against the start model with its exact McNemar p on the

@@ -1,27 +1,33 @@
 """GRPO post-training, end to end.
 
 1. start            validate the config, fingerprint the datasets, open the MLflow parent run
-2. load_sft         the SFT checkpoint (offline default: bootstrap + SFT a tiny model here)
+2. load_sft         the SFT checkpoint (GGUF -> HF dir once, a hub id or dir, or a bootstrap)
 3. curriculum_grpo  torchrun GRPO on generated arithmetic (promotion gate may end it early)
 4. gsm8k_grpo       torchrun GRPO on GSM8K train, from the curriculum checkpoint
 5. evaluate         greedy held-out accuracy of every stage's checkpoint (foreach), joined
 6. register         MLflow Model Registry: champion/challenger by a paired test
 7. end              summary table
 
+Each training step is a ``@parallel`` gang of ``compute.nodes`` tasks (one per node, 1 by
+default), each running torchrun; the join after it keeps node 0's result.
+
     python flows/grpo_flow.py run                                          # local default
     python flows/grpo_flow.py --datastore s3 --config cfg flows/configs/kubernetes.toml run
     python flows/grpo_flow.py resume                                       # after a failure
 """
 import os
+import sys
 from pathlib import Path
 
 # Metaflow refuses to run without a user name (and as 'root'); containers often have neither.
 if all(os.environ.get(v, "root") == "root" for v in ("METAFLOW_USER", "USERNAME", "USER")):
     os.environ["METAFLOW_USER"] = "grpo"
+# Metaflow starts a local gang's other tasks with the `python` found on PATH: make it this one.
+os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
 
-from metaflow import Config, FlowSpec, card, current, step
+from metaflow import Config, FlowSpec, card, current, parallel, step
 
-from grpo_core import pipeline
+from grpo_core import launcher, pipeline
 from grpo_core.pipeline_config import PipelineConfig, parse_config_text
 
 from cards import registry_card, stage_table_card, training_card, training_result
@@ -54,22 +60,48 @@ class GRPOFlow(FlowSpec):
     def load_sft(self):
         """Resolve (or bootstrap) the SFT checkpoint into storage."""
         self.sft_uri, self.sft_metrics = pipeline.load_sft(self.pc, self._ctx(), self.datasets)
-        self.next(self.curriculum_grpo)
+        self.next(self.curriculum_grpo, num_parallel=self.pc.compute.nodes)
 
     @card(type="blank", id="training", refresh_interval=10)
     @train_compute
+    @parallel
     @step
     def curriculum_grpo(self):
-        """GRPO on the arithmetic curriculum under torchrun."""
+        """GRPO on the arithmetic curriculum under torchrun (this node's ranks)."""
         self.curriculum = self._train("curriculum", self.sft_uri)
-        self.next(self.gsm8k_grpo)
+        self.next(self.join_curriculum)
+
+    @step
+    def join_curriculum(self, inputs):
+        """The curriculum stage's result, from the node that holds rank 0."""
+        self.curriculum = launcher.first_node([i.curriculum for i in inputs])
+        self.merge_artifacts(inputs, exclude=["curriculum"])
+        self.next(self.begin_gsm8k)
+
+    @step
+    def begin_gsm8k(self):
+        """Start the GSM8K gang (Metaflow: a join step cannot also start one)."""
+        self.next(self.gsm8k_grpo, num_parallel=self.pc.compute.nodes)
 
     @card(type="blank", id="training", refresh_interval=10)
     @train_compute
+    @parallel
     @step
     def gsm8k_grpo(self):
-        """GRPO on GSM8K train under torchrun, from the curriculum checkpoint."""
+        """GRPO on GSM8K train under torchrun (this node's ranks), from the curriculum checkpoint."""
         self.gsm8k = self._train("gsm8k", self.curriculum["model_uri"])
+        self.next(self.join_gsm8k)
+
+    @step
+    def join_gsm8k(self, inputs):
+        """The GSM8K stage's result, from the node that holds rank 0."""
+        self.gsm8k = launcher.first_node([i.gsm8k for i in inputs])
+        self.merge_artifacts(inputs, exclude=["gsm8k"])
+        self.next(self.begin_evaluation)
+
+    @step
+    def begin_evaluation(self):
+        """Evaluate every stage's model, one task each (Metaflow: a join step cannot also split)."""
         self.stages = [("sft", self.sft_uri), ("curriculum", self.curriculum["model_uri"]),
                        ("gsm8k", self.gsm8k["model_uri"])]
         self.next(self.evaluate, foreach="stages")
@@ -116,10 +148,14 @@ class GRPOFlow(FlowSpec):
 
     def _train(self, stage: str, model_uri: str) -> dict:
         pc, ctx = self.pc, self._ctx()
-        stage_cfg = pipeline.stage_config(pc, stage, current.step_name, model_uri, ctx, self.datasets)
-        summary = pipeline.launch_stage(stage_cfg, pc.compute.nproc_per_node, pc.compute.threads_per_proc,
-                                        on_progress=training_card(current.card["training"], stage))
-        training_result(current.card["training"], summary)
+        gang = launcher.Gang(pc.compute.nodes, current.parallel.node_index, current.parallel.main_ip,
+                             pc.compute.rdzv_port, f"{current.run_id}-{current.step_name}")
+        stage_cfg = pipeline.stage_config(pc, stage, current.step_name, model_uri, ctx, self.datasets,
+                                          node_index=gang.node_index)
+        summary = launcher.launch_stage(stage_cfg, pc.compute.nproc_per_node, pc.compute.threads_per_proc,
+                                        on_progress=training_card(current.card["training"], stage), gang=gang)
+        if gang.leads:
+            training_result(current.card["training"], summary)
         return summary
 
 

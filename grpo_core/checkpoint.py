@@ -167,18 +167,29 @@ def latest(locations: list[str], scratch: str | Path) -> Path | None:
             if name.startswith(PREFIX):
                 candidates.append((iteration_of(name), loc, name))
     for it, loc, name in sorted(candidates, reverse=True):
-        remote = storage.is_s3(loc)
-        # A fresh download dir per candidate: stale files from an earlier attempt must not count.
-        local = Path(scratch) / f"{hashlib.sha1(loc.encode()).hexdigest()[:12]}-{name}" if remote else Path(loc) / name
-        if remote:
-            shutil.rmtree(local, ignore_errors=True)
-            storage.get_dir(storage.join(loc, name), local)
-        if verify(local):
-            return local
-        if remote:
-            shutil.rmtree(local, ignore_errors=True)
+        found = fetch(loc, name, scratch)
+        if found:
+            return found
         warnings.warn(f"checkpoint {storage.join(loc, name)} is incomplete or corrupt "
                       "(checksum mismatch); falling back to an older one")
+    return None
+
+
+def fetch(loc: str, name: str, scratch: str | Path) -> Path | None:
+    """Checkpoint ``name`` under ``loc`` as a verified local dir (an s3:// one is downloaded into
+    ``scratch``), or None when it is absent, incomplete or corrupt there."""
+    if not storage.is_s3(loc):
+        return Path(loc) / name if verify(Path(loc) / name) else None
+    # A fresh download dir per candidate: stale files from an earlier attempt must not count.
+    local = Path(scratch) / f"{hashlib.sha1(loc.encode()).hexdigest()[:12]}-{name}"
+    shutil.rmtree(local, ignore_errors=True)
+    try:
+        storage.get_dir(storage.join(loc, name), local)
+    except FileNotFoundError:
+        return None
+    if verify(local):
+        return local
+    shutil.rmtree(local, ignore_errors=True)
     return None
 
 

@@ -25,6 +25,7 @@ PARALLELISMS = ("ddp", "fsdp2")
 TINY_ARCHITECTURES = ("llama", "qwen2")  # models.ARCHITECTURES (config cannot import torch)
 FRACTION_METRICS = ("eval_accuracy", "informative_frac")  # gate metrics that never exceed 1
 GATE_METRICS = ("eval_accuracy", "informative_frac", "reward")
+SAMPLES_FILE = "samples_latest.json"  # in a stage's output_dir: the latest logged samples (replaced whole)
 METRICS_FILE = "metrics.jsonl"  # in a stage's output_dir: one JSON line per iteration (trainer writes, pipeline reads)
 DEFAULT_REWARDS = ({"fn": "grpo_core.rewards:gsm8k_correctness", "weight": 1.0},)
 

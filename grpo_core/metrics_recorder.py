@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from grpo_core import storage
-from grpo_core.config import METRICS_FILE
+from grpo_core.config import METRICS_FILE, SAMPLES_FILE
 from grpo_core.health import divergence_alarm
 from grpo_core.stats import window_change
 from grpo_core.tracking import plot_curves, read_jsonl
@@ -96,8 +96,8 @@ class MetricsRecorder:
         self.tracker.log_dict({"iteration": it, "samples": samples}, f"samples/iter_{it:06d}.json")
         self.tracker.log_table({"iteration": [it] * len(samples), **{k: [s[k] for s in samples] for k in
                                 ("prompt", "completion", "reward")}}, f"samples/iter_{it:06d}_table.json")
-        # the live training card reads it (pipeline.read_samples), MLflow or not
-        storage.atomic_write_text(self.out / "samples_latest.json", json.dumps({"iteration": it, "samples": samples}))
+        # the live training card reads it (launcher.read_samples), MLflow or not
+        storage.atomic_write_text(self.out / SAMPLES_FILE, json.dumps({"iteration": it, "samples": samples}))
 
     # ---------------------------------------------------------------- the end
     def close(self, iteration: int) -> dict:

@@ -2,8 +2,8 @@
 
 The flow owns orchestration state (Metaflow artifacts: URIs, run ids, small metrics); this
 module turns a validated ``PipelineConfig`` plus that state into work: dataset identities,
-the MLflow parent/child runs, the bootstrap SFT, a GRPO stage launched as a torchrun
-subprocess, evaluation of a checkpoint, registration. Models and checkpoints travel through
+the MLflow parent/child runs, the bootstrap SFT, a GRPO stage's config (``grpo_core.launcher``
+runs it under torchrun), evaluation of a checkpoint, registration. Models and checkpoints travel through
 storage keyed by ``<storage_root>/<flow>/<run_id>/<step>/``, never as pickled artifacts.
 """
 from __future__ import annotations
@@ -12,19 +12,17 @@ import json
 import math
 import os
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from grpo_core import storage
-from grpo_core.config import METRICS_FILE, gsm8k_source
+from grpo_core.config import gsm8k_source
 from grpo_core.pipeline_config import PipelineConfig
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 STAGES = ("sft", "curriculum", "gsm8k")  # the checkpoints the flow evaluates, in pipeline order
 RESUME_CHAIN = "resume_chain.json"  # in a training step's storage: the earlier attempts it resumes from
-SAMPLES_FILE = "samples_latest.json"  # in a stage's output_dir: the trainer's latest logged samples
 ITEM_COLUMNS = ("item_id", "correct", "gold", "truncated", "completion")  # per-item evaluation table
 
 
@@ -193,17 +191,25 @@ def sft_model_tags(cfg: PipelineConfig, ctx: RunContext) -> dict:
 
 
 def stage_config(cfg: PipelineConfig, stage: str, step: str, model_uri: str, ctx: RunContext,
-                 datasets: dict) -> dict:
-    """The GRPOConfig of a stage with its runtime fields filled in (validated)."""
+                 datasets: dict, node_index: int = 0) -> dict:
+    """The GRPOConfig of a stage with its runtime fields filled in (validated). In a multi-node
+    gang, node 0 (global rank 0: the one that logs and saves) opens the stage's MLflow run and
+    records the resume chain; the other nodes get the same stage without them, in an output
+    dir of their own (gang tasks can share one machine)."""
     task = "arith" if stage == "curriculum" else "gsm8k"
     table = getattr(cfg, stage)  # periodic evaluation and the gate read the validation split
     validated = table.get("eval_every") or table.get("gate_metric")
     names = (f"{task}_train",) + ((f"{task}_validation",) if validated else ())
     resume = [ctx.step_uri(step)] + (resume_chain(ctx.step_uri(step, ctx.origin_run_id)) if ctx.origin_run_id else [])
-    storage.write_text(storage.join(ctx.step_uri(step), RESUME_CHAIN), json.dumps(resume[1:]))
-    sc = cfg.stage(stage, model=model_uri, output_dir=str(ctx.scratch(step)), sync_uri=ctx.step_uri(step),
-                   resume_from=resume, tracking_uri=ctx.tracking_uri,
-                   tracking_run_id=child_run(ctx, stage, datasets, names))
+    out = ctx.scratch(step)
+    if node_index == 0:
+        storage.write_text(storage.join(ctx.step_uri(step), RESUME_CHAIN), json.dumps(resume[1:]))
+        run_id = child_run(ctx, stage, datasets, names)
+    else:
+        out, run_id = out / f"node-{node_index}", None
+        out.mkdir(parents=True, exist_ok=True)
+    sc = cfg.stage(stage, model=model_uri, output_dir=str(out), sync_uri=ctx.step_uri(step),
+                   resume_from=resume, tracking_uri=ctx.tracking_uri, tracking_run_id=run_id)
     if stage == "gsm8k":  # the copy start fingerprinted (a pod's environment may lack GSM8K_DIR)
         sc.gsm8k_source = datasets["gsm8k_train"]["source"]
     return sc.to_dict()
@@ -218,110 +224,10 @@ def resume_chain(origin_uri: str) -> list[str]:
     return [origin_uri] + (json.loads(recorded) if recorded else [])
 
 
-def torchrun_command(stage_json: str, nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "grpo_core.train", "--config", stage_json]
-
-
-def launch_stage(stage_cfg: dict, nproc: int, threads: int, on_progress=None, poll_s: float = 5.0) -> dict:
-    """Run one GRPO stage under torchrun; a failed rank fails the step. Returns summary.json."""
-    out = Path(stage_cfg["output_dir"])
-    stage_json = out / "stage.json"
-    storage.atomic_write_text(stage_json, json.dumps(stage_cfg, indent=1))
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_DIR), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(torchrun_command(str(stage_json), nproc), env=env)
-    report = _ProgressReport(on_progress, out)
-    try:
-        while True:
-            try:
-                rc = proc.wait(timeout=poll_s)
-                break
-            except subprocess.TimeoutExpired:
-                report()
-    finally:  # the step failing here (Ctrl-C, the task killed) must not leave torchrun training, orphaned
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    if rc != 0:
-        _mark_failed(stage_cfg.get("tracking_uri"), stage_cfg.get("tracking_run_id"))
-        raise RuntimeError(f"stage {stage_cfg['stage']} failed: torchrun exited with {rc} "
-                           "(see the rank logs above); `resume` continues from its last checkpoint")
-    report()
-    return json.loads((out / "summary.json").read_text())
-
-
-class _ProgressReport:
-    """Calls ``on_progress`` with the metrics so far, and with the latest sampled completions
-    (``samples=read_samples(out)``) when it takes a ``samples`` parameter. It is a view (the
-    live card): one that fails warns once and is not called again; training and the step go on
-    (Ctrl-C still stops them)."""
-
-    def __init__(self, on_progress, out: Path):
-        self.on_progress, self.out, self.failed = on_progress, out, False
-        self.with_samples = _takes_samples(on_progress)
-
-    def __call__(self) -> None:
-        if not self.on_progress or self.failed:
-            return
-        try:
-            extra = {"samples": read_samples(self.out)} if self.with_samples else {}
-            self.on_progress(read_metrics(self.out), **extra)
-        except Exception as exc:
-            from grpo_core.tracking import warn
-
-            warn(f"live progress update failed ({type(exc).__name__}: {exc}); training goes on")
-            self.failed = True
-
-
-def _mark_failed(tracking_uri: str | None, run_id: str | None) -> None:
-    """The failed stage's MLflow run and its parent (the pipeline run) show FAILED, not RUNNING
-    forever; a ``resume`` sets both back to RUNNING (``start_child_run``)."""
-    if not (tracking_uri and run_id):
-        return
-    from grpo_core.tracking import finish_run, mlflow_client, warn
-
-    try:
-        finish_run(tracking_uri, run_id, "FAILED")
-        parent = mlflow_client(tracking_uri).get_run(run_id).data.tags.get("mlflow.parentRunId")
-        if parent:
-            finish_run(tracking_uri, parent, "FAILED")
-    except Exception as exc:  # the stage's own error is what the user needs to see
-        warn(f"could not mark run {run_id} FAILED: {exc}")
-
-
 def in_stage_order(results: list[dict]) -> list[dict]:
     """Evaluation results sorted sft, curriculum, gsm8k: the last one is the shipped model's,
     whatever order the foreach join hands them in."""
     return sorted(results, key=lambda r: STAGES.index(r["stage"]))
-
-
-def read_metrics(out_dir: str | Path) -> list[dict]:
-    """The stage's rows so far. Read while the trainer appends: text after the last newline may
-    be a row half written, so only complete lines count."""
-    f = Path(out_dir) / METRICS_FILE
-    if not f.exists():
-        return []
-    return [json.loads(line) for line in f.read_text().split("\n")[:-1] if line.strip()]
-
-
-def read_samples(out_dir: str | Path) -> dict | None:
-    """The latest sampled completions the trainer logged (``{"iteration", "samples": [{"prompt",
-    "completion", "reward"}]}``, replaced atomically), or None before the first."""
-    f = Path(out_dir) / SAMPLES_FILE
-    return json.loads(f.read_text()) if f.exists() else None
-
-
-def _takes_samples(fn) -> bool:
-    import inspect
-
-    try:
-        return fn is not None and "samples" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a callable without a signature: metrics only
-        return False
 
 
 def stage_system_prompt(cfg: PipelineConfig, stage: str) -> str | None:

@@ -145,7 +145,13 @@ class ComputeConfig:
     backend: str = "local"
     """'local' (this machine) or 'kubernetes' (training steps get @kubernetes)."""
     nproc_per_node: int = 2
-    """torchrun processes per training step (GPUs on a cluster)."""
+    """torchrun processes per node of a training step (GPUs per node on a cluster)."""
+    nodes: int = 1
+    """Nodes per training step. Each node is one task of a Metaflow ``@parallel`` gang that runs
+    torchrun with ``nproc_per_node`` ranks, so the world is ``nodes x nproc_per_node``. On
+    Kubernetes the gang is a JobSet; locally the tasks are processes on 127.0.0.1."""
+    rdzv_port: int = 29400
+    """TCP port on the gang's first node where torchrun's ranks meet (``nodes > 1``)."""
     gpu: int = 0
     """GPUs per training pod (kubernetes)."""
     cpu: int = 2
@@ -172,6 +178,10 @@ class ComputeConfig:
     def __post_init__(self):
         check_choice(self.backend, ("local", "kubernetes"), "compute.backend")
         require(self.nproc_per_node >= 1, "compute.nproc_per_node", "must be >= 1")
+        require(isinstance(self.nodes, int) and self.nodes >= 1, "compute.nodes",
+                f"must be a whole number >= 1 (1: one node, no gang), got {self.nodes!r}")
+        require(isinstance(self.rdzv_port, int) and 1024 <= self.rdzv_port <= 65535, "compute.rdzv_port",
+                f"must be a free TCP port in 1024..65535 on the first node, got {self.rdzv_port!r}")
         for name in ("threads_per_proc", "cpu", "memory"):
             require(getattr(self, name) >= 1, f"compute.{name}", f"must be >= 1, got {getattr(self, name)}")
         require(self.gpu >= 0, "compute.gpu", f"must be >= 0 (0: CPU-only pods), got {self.gpu}")
@@ -216,13 +226,17 @@ class PipelineConfig:
         for stage, task in (("curriculum", "arithmetic"), ("gsm8k", "gsm8k")):
             table = {"stage": stage, "task": task, **getattr(self, stage)}
             cfg = from_dict(GRPOConfig, {**table, "model": table.get("model", "validated-later")}, stage)
-            world = self.compute.nproc_per_node
+            world = self.compute.nproc_per_node * self.compute.nodes
             require(cfg.prompts_per_iter % world == 0, f"{stage}.prompts_per_iter",
                      f"{cfg.prompts_per_iter} prompts cannot be split across {world} ranks "
-                     f"(compute.nproc_per_node); use a multiple of {world}")
+                     f"(compute.nodes x compute.nproc_per_node); use a multiple of {world}")
             require(cfg.parallelism != "fsdp2" or world >= 2, f"{stage}.parallelism",
-                    f"'fsdp2' shards over ranks, but compute.nproc_per_node = {world}; set nproc_per_node >= 2 "
-                    "or parallelism = 'ddp'")
+                    f"'fsdp2' shards over ranks, but compute.nproc_per_node = {world} on one node; set "
+                    "nproc_per_node >= 2 or parallelism = 'ddp'")
+            require(cfg.parallelism != "fsdp2" or self.compute.nodes == 1, f"{stage}.parallelism",
+                    f"'fsdp2' writes every rank's checkpoint shards into one directory, which needs one "
+                    f"filesystem, but compute.nodes = {self.compute.nodes}; use parallelism = 'ddp' across "
+                    "nodes, or fsdp2 on one node")
             setattr(self, stage, table)
         if self.tracking_uri:
             from grpo_core.tracking import check_no_credentials

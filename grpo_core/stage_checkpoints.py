@@ -3,7 +3,8 @@ republish, and the final model.
 
 Rank 0 reads and writes; on resume it finds the newest complete, checksum-verified checkpoint
 (this stage's local dir, then each ``resume_from`` location, e.g. a flow ``resume``'s origin
-run) and broadcasts the path, so every rank loads the same one. Housekeeping (pruning old
+run) and broadcasts the path, so every rank loads the same one. A rank on another node, which
+cannot see rank 0's disk, fetches the same checkpoint from storage. Housekeeping (pruning old
 copies in storage) never stops training.
 """
 from __future__ import annotations
@@ -24,13 +25,29 @@ class StageCheckpoints:
         self.scratch = out / ".downloaded"
 
     def find_latest(self) -> Path | None:
-        """The newest verified checkpoint, the same path on every rank (None: start at 0)."""
+        """The newest verified checkpoint, the same one on every rank (None: start at 0)."""
         locations = [str(self.dir)] + [storage.join(u, "checkpoints") for u in self.cfg.resume_from]
         path = checkpoint.latest(locations, self.scratch) if self.info.is_main else None
         found = [str(path) if path else ""]
         if dist.active():
             torch.distributed.broadcast_object_list(found, src=0)
-        return Path(found[0]) if found[0] else None
+        return self.readable(Path(found[0])) if found[0] else None
+
+    def readable(self, chosen: Path) -> Path:
+        """``chosen`` (rank 0's path) where this rank can read it: that path when this rank sees
+        it (one node), else the same checkpoint fetched from the stage's storage into a scratch
+        dir of this rank's own."""
+        if chosen.is_dir():
+            return chosen
+        name = chosen.name[chosen.name.index(checkpoint.PREFIX):]  # a download dir prefixes its source's hash
+        stored = [storage.join(u, "checkpoints") for u in self.cfg.resume_from]
+        for loc in stored:
+            got = checkpoint.fetch(loc, name, self.scratch / f"rank-{self.info.rank}")
+            if got:
+                return got
+        raise RuntimeError(f"rank {self.info.rank} cannot read checkpoint {name}: rank 0 chose {chosen} on "
+                           f"its own disk, and no verified copy is under {stored}. Multi-node resume reads "
+                           "checkpoints from storage: give the stage an s3:// storage_root every node reaches.")
 
     def load(self, path: Path, model, opt, sched, read_shards=None) -> dict:
         """Weights, optimizer, schedule and RNG state into the given objects; returns the stage

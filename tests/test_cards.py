@@ -113,7 +113,7 @@ def test_samples_shown_are_the_best_and_the_worst():
 
 
 def test_the_progress_report_passes_samples_to_a_callback_that_takes_them(tmp_path):
-    from grpo_core.pipeline import _ProgressReport
+    from grpo_core.launcher import _ProgressReport
 
     (tmp_path / "metrics.jsonl").write_text('{"iteration": 1, "reward": 0.5}\n')
     seen = {}
@@ -138,7 +138,7 @@ def _tiny_stage(tmp_path, iterations: int) -> dict:
 
 def test_the_live_card_shows_the_samples_a_real_stage_logs(tmp_path):
     """launch_stage -> torchrun trainer -> samples_latest.json -> the training card's table."""
-    from grpo_core.pipeline import launch_stage
+    from grpo_core.launcher import launch_stage
 
     card = CardStub()
     summary = launch_stage(_tiny_stage(tmp_path, 2), nproc=1, threads=1,

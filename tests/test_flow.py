@@ -10,11 +10,12 @@ import subprocess
 import sys
 import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from grpo_core.pipeline_config import deep_merge
-from tests.conftest import S3_ENV
+from tests.conftest import S3_ENV, free_port
 from tests.helpers import GSM8K_DIR, REPO, same_weights
 
 FLOW = str(REPO / "flows" / "grpo_flow.py")
@@ -74,8 +75,7 @@ def run_flow(root, cfg: dict, resume_from: str | None = None, datastore: str = "
         return FlowResult(done.status, done.run, done.stdout, done.stderr)
 
 
-def final_model_dir(run, step="gsm8k_grpo"):
-    from pathlib import Path
+def final_model_dir(run, step="join_gsm8k"):
     return Path(run[step].task["gsm8k"].data["model_uri"])
 
 
@@ -130,12 +130,43 @@ def test_resume_clones_finished_steps_and_continues_the_failed_one(crashed_and_r
     assert summary["model_uri"].startswith(str(crashed_and_resumed[0] / "store" / "GRPOFlow" / run.id))
 
 
-def test_resumed_weights_equal_an_uninterrupted_run(crashed_and_resumed, tmp_path):
-    root, cfg, _, resumed = crashed_and_resumed
+@pytest.fixture(scope="module")
+def uninterrupted(crashed_and_resumed):
+    """The crashed run's config, run through without a crash (1 node, 2 ranks)."""
+    root, cfg, _, _ = crashed_and_resumed
     straight = run_flow(root, cfg)
     assert straight.status == "successful", straight.stderr[-5000:]
-    assert final_model_dir(straight.run) != final_model_dir(resumed)
-    assert same_weights(final_model_dir(straight.run), final_model_dir(resumed))
+    return straight.run
+
+
+def test_resumed_weights_equal_an_uninterrupted_run(crashed_and_resumed, uninterrupted):
+    resumed = crashed_and_resumed[3]
+    assert final_model_dir(uninterrupted) != final_model_dir(resumed)
+    assert same_weights(final_model_dir(uninterrupted), final_model_dir(resumed))
+
+
+def test_a_two_node_gang_killed_and_resumed_trains_the_weights_one_node_does(crashed_and_resumed, uninterrupted):
+    """compute.nodes = 2 with one rank each: every training step is a @parallel gang of two
+    tasks, each running torchrun --nnodes=2 with its node_rank, meeting on 127.0.0.1. Both
+    ranks SIGKILL themselves in gsm8k iteration 4; `resume` reruns the whole gang step, which
+    continues from the iteration-2 checkpoint. Ranks, data split and reductions are the
+    one-node 2-rank run's, so the final weights equal its uninterrupted run's bitwise."""
+    root, cfg, _, _ = crashed_and_resumed
+    gang_cfg = deep_merge(cfg, {"compute": {"nodes": 2, "nproc_per_node": 1, "rdzv_port": free_port()}})
+    failed = run_flow(root, gang_cfg, GRPO_TEST_KILL_ON_CALL="4")
+    assert failed.status == "failed", failed.stdout[-3000:]
+    resumed = run_flow(root, gang_cfg, resume_from=failed.run.id)
+    assert resumed.status == "successful", resumed.stderr[-5000:]
+    run = resumed.run
+    assert run["curriculum_grpo"].task.metadata_dict.get("origin-task-id")  # cloned, not rerun
+    for step in TRAINING_STEPS:
+        tasks = list(run[step])
+        assert len(tasks) == 2, step
+        assert sorted("node_index" in t[step.removesuffix("_grpo")].data for t in tasks) == [False, True], step
+    summary = run["join_gsm8k"].task["gsm8k"].data
+    assert summary["resumed_from_iteration"] == 2 and summary["iterations_run"] == 4
+    assert summary["model_uri"].startswith(str(root / "store" / "GRPOFlow" / run.id))
+    assert same_weights(final_model_dir(uninterrupted), Path(summary["model_uri"]))
 
 
 def test_mlflow_records_every_stage_without_duplicate_steps(crashed_and_resumed):
@@ -221,6 +252,9 @@ def test_kubernetes_config_puts_gpus_on_exactly_the_training_and_evaluation_step
         if name in TRAINING_STEPS | {"evaluate"}:
             k = decos["kubernetes"]
             assert int(k["gpu"]) == (compute["gpu"] if name in TRAINING_STEPS else 1), name
+            assert ("parallel" in decos) == (name in TRAINING_STEPS), name
+            if name in TRAINING_STEPS:  # the gang's rendezvous port, opened on its pods
+                assert int(k["port"]) == compute["rdzv_port"], name
             assert k["image"] == compute["image"] and k["service_account"] == compute["service_account"]
         else:
             assert "kubernetes" not in decos, name
@@ -260,14 +294,37 @@ def test_argo_spec_requests_gpus_only_for_training_and_evaluation(tmp_path, s3_s
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     spec = json.loads(out.stdout[out.stdout.index("{"):])
-    templates = {t["name"].replace("-", "_"): t for t in spec["spec"]["templates"] if "container" in t}
-    res = {name: t["container"]["resources"] for name, t in templates.items()}
-    for name in TRAINING_STEPS:
-        assert res[name]["limits"]["nvidia.com/gpu"] == "4", res[name]
+    templates = {t["name"].replace("-", "_"): t for t in spec["spec"]["templates"]}
+    res = {name: t["container"]["resources"] for name, t in templates.items() if "container" in t}
     assert res["evaluate"]["limits"]["nvidia.com/gpu"] == "1", res["evaluate"]
-    for name in ("start", "load_sft", "register", "end"):
+    for name in ("start", "load_sft", "join_curriculum", "begin_gsm8k", "join_gsm8k", "register", "end"):
         assert "nvidia.com/gpu" not in res[name].get("limits", {}), name
-    assert templates["gsm8k_grpo"]["container"]["image"] == "ghcr.io/grpo-pipeline/grpo-train:0.1.0"
+    for name in TRAINING_STEPS:  # a gang: one JobSet, its control pod (node 0) plus nodes - 1 workers
+        jobset = _manifest(templates[name]["resource"]["manifest"])
+        assert jobset["kind"] == "JobSet" and templates[name]["resource"]["action"] == "create"
+        jobs = {j["name"]: j for j in jobset["spec"]["replicatedJobs"]}
+        assert set(jobs) == {"control", "worker"} and jobs["control"]["replicas"] == 1
+        assert "workerCount" in str(jobs["worker"]["replicas"])  # num_parallel - 1, set when the step starts
+        for job in jobs.values():
+            pod = job["template"]["spec"]["template"]["spec"]
+            (c,) = pod["containers"]
+            assert c["resources"]["limits"]["nvidia.com/gpu"] == "4", name
+            assert c["image"] == "ghcr.io/grpo-pipeline/grpo-train:0.1.0"
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            assert env["MF_MASTER_PORT"] == "29400" and env["MF_MASTER_ADDR"].endswith(".grpo.svc.cluster.local")
+            assert {"medium": "Memory", "sizeLimit": "16384Mi"} in [v.get("emptyDir") for v in pod["volumes"]]
+    # the gang's size: the step before each training step hands Argo num_parallel at run time
+    for before, gang in (("load_sft", "curriculum_grpo"), ("begin_gsm8k", "gsm8k_grpo")):
+        outputs = {p["name"] for p in templates[before]["outputs"]["parameters"]}
+        assert "num-parallel" in outputs, (before, outputs)
+        assert gang.replace("_", "-") in json.dumps(templates[f"{before}_foreach_parallel"]["dag"])
+
+
+def _manifest(text: str) -> dict:
+    """A JobSet manifest from an Argo resource template: its ``{{=expr}}`` fields become strings."""
+    import yaml
+
+    return yaml.safe_load(re.sub(r"(:\s*)(\{\{=[^\n]*\}\})", lambda m: m.group(1) + json.dumps(m.group(2)), text))
 
 
 def _creds():
@@ -321,7 +378,7 @@ def test_steps_resolve_the_tracking_uri_where_they_run(monkeypatch):
 
 def test_live_metrics_skip_a_row_half_written(tmp_path):
     """The card reads metrics.jsonl while the trainer appends to it: a partial last line is not a row yet."""
-    from grpo_core.pipeline import read_metrics
+    from grpo_core.launcher import read_metrics
 
     (tmp_path / "metrics.jsonl").write_text('{"iteration": 1, "reward": 0.5}\n{"iteration": 2, "rew')
     assert read_metrics(tmp_path) == [{"iteration": 1, "reward": 0.5}]
@@ -342,7 +399,7 @@ def _tiny_stage(tmp_path, iterations: int) -> dict:
 def test_a_step_interrupted_while_training_runs_stops_torchrun(tmp_path):
     """Ctrl-C (or the task being killed) while torchrun trains: its ranks must not train on,
     orphaned, writing into the step's scratch dir."""
-    from grpo_core.pipeline import launch_stage
+    from grpo_core.launcher import launch_stage
 
     cfg, seen = _tiny_stage(tmp_path, 100_000), []
 
@@ -359,7 +416,7 @@ def test_a_step_interrupted_while_training_runs_stops_torchrun(tmp_path):
 
 
 def test_a_live_card_that_fails_does_not_stop_training(tmp_path, capsys):
-    from grpo_core.pipeline import launch_stage
+    from grpo_core.launcher import launch_stage
 
     calls = []
 

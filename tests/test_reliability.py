@@ -314,6 +314,28 @@ def test_s3_checkpoint_sync_writes_manifest_last_and_resumes(s3, moto, tmp_path)
     assert checkpoint.load(found, *_small_state(seed=9))["iteration"] == 2
 
 
+def test_a_rank_on_another_node_fetches_rank_0s_checkpoint_from_storage(s3, tmp_path):
+    """Multi-node resume: rank 0 broadcasts the path of the checkpoint it chose on its own disk;
+    a rank that cannot see that path loads the same checkpoint from the stage's storage."""
+    from types import SimpleNamespace
+
+    from grpo_core.dist import DistInfo
+    from grpo_core.stage_checkpoints import StageCheckpoints
+
+    stage = "s3://ckpts/other-node"
+    _put_checkpoint(tmp_path, storage.join(stage, "checkpoints"), 2)
+    _put_checkpoint(tmp_path, storage.join(stage, "checkpoints"), 4)
+    cfg = SimpleNamespace(resume_from=["s3://ckpts/absent-run", stage])
+    node1 = StageCheckpoints(cfg, DistInfo(3, 4, 1, torch.device("cpu")), tmp_path / "node-1")
+    chosen_on_node0 = tmp_path / "node-0-disk" / "scratch" / "0123abcd-ckpt-000002"  # not here
+    got = node1.readable(chosen_on_node0)
+    assert got.name.endswith("ckpt-000002") and "rank-3" in str(got) and checkpoint.verify(got)
+    assert checkpoint.load(got, *_small_state(seed=9))["data_position"] == 2  # the one chosen, not the newest
+    assert node1.readable(got) == got  # a path this rank sees is used as it is
+    with pytest.raises(RuntimeError, match=r"rank 3 cannot read checkpoint ckpt-000006.*s3:// storage_root"):
+        node1.readable(tmp_path / "elsewhere" / "ckpt-000006")
+
+
 def test_s3_put_dir_replaces_what_was_there(s3, tmp_path):
     """A model saved again with another layout: the old files under the prefix are deleted, files
     under a sibling prefix that merely starts alike are not, and a bucket root is refused."""
@@ -564,6 +586,13 @@ def test_checkpoints_and_saved_models_reach_the_disk_before_their_rename(tmp_pat
      r"unknown field config\.compute\.nproc_per_nodes\. Did you mean 'nproc_per_node'"),
     ({"curriculm": {}}, r"Did you mean 'curriculum'"),
     ({"evaluate": {"gsm8k_size": -1}}, r"register\.primary: 'gsm8k_test' is not evaluated \(evaluate\.gsm8k_size = -1"),
+    ({"compute": {"nodes": 0}}, r"compute\.nodes: must be a whole number >= 1 \(1: one node, no gang\), got 0"),
+    ({"compute": {"nodes": 1.5}}, r"config\.compute\.nodes = 1\.5 has type float"),
+    ({"compute": {"nodes": 3, "nproc_per_node": 2}, "curriculum": {"prompts_per_iter": 8}},
+     r"curriculum\.prompts_per_iter: 8 prompts cannot be split across 6 ranks \(compute\.nodes x "),
+    ({"compute": {"nodes": 2}, "gsm8k": {"prompts_per_iter": 8, "parallelism": "fsdp2"}},
+     r"gsm8k\.parallelism: 'fsdp2' writes every rank's checkpoint shards into one directory.*compute\.nodes = 2"),
+    ({"compute": {"rdzv_port": 80}}, r"compute\.rdzv_port: must be a free TCP port in 1024\.\.65535.*got 80"),
 ])
 def test_bad_pipeline_config_names_the_field_and_fix(override, match):
     with pytest.raises(ConfigError, match=match):
