@@ -21,7 +21,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -68,7 +67,7 @@ def worker(args) -> None:
     iters = len(rows)
     res = {"rank": int(os.environ["RANK"]), "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                                                                  / 2**20, 2),
-           "held_gb": {k: round(v / 2**30, 3) for k, v in holder.items()},
+           "held_gb": {k: round(v / 2**30, 3) for k, v in holder.items()}, "held_bytes": dict(holder),
            "s_per_iter": round(statistics.median(r["total"] for r in kept), 2),
            "gather_s_per_iter": round(sum(gather_s) / iters, 2), "gathers_per_iter": len(gather_s) / iters}
     gathered = [None] * torch.distributed.get_world_size()
@@ -95,6 +94,8 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> list[dict]:
+    from bench_memory import model_dir, run_worker
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sides", default="ddp,fsdp2")
     p.add_argument("--source", default="smollm2-135m-instruct",
@@ -115,19 +116,13 @@ def main(argv=None) -> list[dict]:
 
         directory = str(save_policy(*build_tiny("llama", 64, 2, 4), Path(tempfile.mkdtemp()) / "tiny"))
     else:
-        from bench_memory import model_dir
-
         directory = model_dir(args.source)
     results = []
     for side in [s for s in args.sides.split(",") if s]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
                "--worker", side, "--model-dir", directory, "--iters", str(args.iters), "--warmup", str(args.warmup)]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if out.returncode or line is None:
-            raise SystemExit(f"side {side} failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
-        results.append(json.loads(line[len("RESULT "):]))
+        results.append(run_worker(cmd, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                                  f"side {side}"))
         print(f"{side}: {results[-1]['ranks'][0]}", flush=True)
     print(table(results))
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,15 @@ def model_dir(source: str) -> str:
     return convert_gguf(source)["uri"]
 
 
+def run_worker(cmd: list[str], env: dict, label: str) -> dict:
+    """Run one side's worker process; its ``RESULT {json}`` stdout line, or exit naming the side."""
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if out.returncode or line is None:
+        raise SystemExit(f"{label} failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
 def worker(args) -> dict:
     import resource
 
@@ -103,12 +112,7 @@ def main(argv=None) -> list[dict]:
     for name in names:
         cmd = [sys.executable, __file__, "--worker", name, "--model-dir", directory, "--iters", str(args.iters),
                "--warmup", str(args.warmup), "--threads", str(args.threads)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if out.returncode or line is None:
-            raise SystemExit(f"variant {name} failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
-        results.append(json.loads(line[len("RESULT "):]))
+        results.append(run_worker(cmd, {**os.environ, "OMP_NUM_THREADS": str(args.threads)}, f"variant {name}"))
         print(f"{name}: {results[-1]['peak_rss_gb']} GB, {results[-1]['s_per_iter']} s/iter", flush=True)
     print(table(results))
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ TASKS = ("arithmetic", "gsm8k")
 SAMPLERS = ("inverse_cdf", "multinomial")
 PRECISIONS = ("fp32", "bf16")
 PARALLELISMS = ("ddp", "fsdp2")
+ROLLOUT_ENGINES = ("auto", "decoder", "generate")  # engines.ENGINES (config cannot import torch)
 TINY_ARCHITECTURES = ("llama", "qwen2")  # models.ARCHITECTURES (config cannot import torch)
 FRACTION_METRICS = ("eval_accuracy", "informative_frac")  # gate metrics that never exceed 1
 GATE_METRICS = ("eval_accuracy", "informative_frac", "reward")
@@ -215,6 +216,10 @@ class GRPOConfig:
     """How the shared-prefix decoder draws a token: inverse_cdf (one uniform number per row, the
     faster) | multinomial (torch.multinomial, generate's: the same tokens as generate for a seed).
     Both draw from the same distribution; models on the generate fallback always use multinomial."""
+    rollout_engine: str = "auto"
+    """What samples the rollouts, one entry of `engines.ENGINES`: auto (the shared-prefix decoder
+    where the model supports it, else transformers' generate) | decoder (insist on the decoder) |
+    generate (always generate)."""
     compile_scoring: bool = False
     """torch.compile (dynamic shapes) the policy and reference forwards that score completions for
     the loss (not the decoder). Pays on long runs: fwd+bwd 0.78x at the t64 bench shape on one CPU
@@ -298,6 +303,7 @@ class GRPOConfig:
         check_choice(self.loss_type, loss_type_names(), f"{w}.loss_type")
         check_choice(self.scale, SCALES, f"{w}.scale")
         check_choice(self.sampler, SAMPLERS, f"{w}.sampler")
+        check_choice(self.rollout_engine, ROLLOUT_ENGINES, f"{w}.rollout_engine")
         check_choice(self.precision, PRECISIONS, f"{w}.precision")
         check_choice(self.parallelism, PARALLELISMS, f"{w}.parallelism")
         require(self.group_size >= 2, f"{w}.group_size", f"{self.group_size} < 2: a group needs at least "

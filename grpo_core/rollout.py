@@ -76,15 +76,18 @@ def generate_rollouts(model, tok, rows: list[dict], group_size: int, *, temperat
     """Sample ``group_size`` completions for each row (group-contiguous).
 
     engine: "auto" (the shared-prefix decoder where ``decode.fast_decode_supported``, else
-    generate), "fast" (insist on it) or "generate". sampler: the decoder's
+    generate), "decoder" (insist on it) or "generate". sampler: the decoder's
     (``decode.sample_shared_prefix``). system_prompt: see ``render_prompts``.
     """
-    if engine not in ("auto", "fast", "generate"):
-        raise ValueError(f"engine must be 'auto', 'fast' or 'generate', got {engine!r}")
+    if engine not in ("auto", "decoder", "generate"):
+        raise ValueError(f"engine must be 'auto', 'decoder' or 'generate', got {engine!r}")
+    if engine == "decoder" and not decode.fast_decode_supported(model):
+        raise ValueError(f"rollout_engine = 'decoder', but the shared-prefix decoder does not support "
+                         f"{type(model).__name__}; use rollout_engine = 'auto' or 'generate'")
     prompts = [r["prompt"] for r in rows]
     ids, mask = encode_prompts(tok, prompts, max_prompt_tokens, [r.get("id", "") for r in rows], system_prompt)
     ids, mask = ids.to(model.device), mask.to(model.device)                  # [N, P]
-    fast = engine == "fast" or (engine == "auto" and decode.fast_decode_supported(model))
+    fast = engine == "decoder" or (engine == "auto" and decode.fast_decode_supported(model))
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
     stop = stop_token_ids(model, tok)
     if fast:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_core import dist, lora, sharding, storage
+from grpo_core import dist, engines, lora, sharding, storage
 from grpo_core.algorithm import group_advantages, informative_mask, masked_mean, std_from_moments
 from grpo_core.config import ConfigError
 from grpo_core.data import PromptStream, eval_rows, train_rows
@@ -35,7 +35,7 @@ from grpo_core.models import (
 )
 from grpo_core.objective import objective_card
 from grpo_core.rewards import RewardSpec, combine_rewards, resolve_specs
-from grpo_core.rollout import generate_rollouts, render_prompts
+from grpo_core.rollout import render_prompts
 from grpo_core.scoring import completion_logprobs
 from grpo_core.stage_checkpoints import StageCheckpoints
 from grpo_core.types import RolloutBatch
@@ -108,6 +108,7 @@ class Trainer:
                                      fused=fused_adamw_ok(self.model) and not self.sharded)
         self.sched = self._schedule()
         self.rewards = resolve_specs([RewardSpec(**r) for r in cfg.rewards])
+        self.engine, self.sampling = engines.build(cfg.rollout_engine, self.tok), engines.Sampling.of(cfg)
         self.stream = PromptStream(train_rows(cfg), cfg.seed)
         self.eval_rows = eval_rows(cfg, cfg.eval_size) if (cfg.eval_every or cfg.gate_metric) else None
         self.gate = PromotionGate.from_config(cfg)
@@ -160,14 +161,11 @@ class Trainer:
         c = self.cfg
         rows = self._shard(self.stream.take(self.state["data_position"], n_prompts))
         self.state["data_position"] += n_prompts
-        with self._forward_only():
-            batch = generate_rollouts(self.model, self.tok, rows, c.group_size, temperature=c.temperature,
-                                      top_p=c.top_p, top_k=c.top_k, max_new_tokens=c.max_new_tokens,
-                                      max_prompt_tokens=c.max_prompt_tokens, sampler=c.sampler,
-                                      system_prompt=c.system_prompt)
+        with self._forward_only():  # under FSDP2: full weights for the engine
+            self.engine.sync_weights(self.model)
+            batch = self.engine.generate(rows, c.group_size, self.sampling)
         t0 = time.perf_counter()
-        cols = {k: v for k, v in batch.columns.items() if k not in ("id", "think")}
-        total, parts = combine_rewards(self.rewards, batch.prompts, batch.completions, cols,
+        total, parts = combine_rewards(self.rewards, batch.prompts, batch.completions, batch.reward_columns(),
                                        timeout_s=c.reward_timeout_s)
         batch.rewards = torch.tensor(total, dtype=torch.float32)
         self.reward_names = list(parts)  # the same functions, in the same order, every call

@@ -20,7 +20,7 @@ class RolloutBatch:
     group_size: int                   # G
     prompts: list[str]                # [B] raw prompt (question) per completion
     completions: list[str]            # [B] decoded completion text (special tokens dropped)
-    columns: dict[str, list] = field(default_factory=dict)  # dataset fields per completion, e.g. gold
+    columns: dict[str, list] = field(default_factory=dict)  # dataset fields per completion (see reward_columns)
     rewards: torch.Tensor | None = None       # [B] combined reward
     advantages: torch.Tensor | None = None    # [B] group-relative advantage
     old_logp: torch.Tensor | None = None      # [B, T] behaviour log-probs (mu > 1 only)
@@ -30,6 +30,13 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
+
+    def reward_columns(self) -> dict[str, list]:
+        """The dataset fields reward functions receive as keyword arguments (TRL's ``**kwargs``),
+        one value per completion: every column except ``id`` (bookkeeping) and ``think`` (the
+        worked solution: the SFT target, GSM8K's rationale). A verifiable reward checks the answer
+        against ``gold``, not the path against a reference."""
+        return {k: v for k, v in self.columns.items() if k not in ("id", "think")}
 
     @property
     def num_groups(self) -> int:

@@ -107,3 +107,17 @@ def test_gpu_check_ddp_and_fsdp2_part_on_cpu(tmp_path, nproc):
     res = json.loads(out.read_text())
     assert res["failures"] == [] and res["world_size"] == nproc
     assert res["fsdp2_worst_rel_grad_diff"] < 1e-3 and 0.99 < res["fsdp2_bf16_cosine"] < 1.0
+
+
+def test_fsdp2_bench_runs_both_sides_on_a_tiny_model(monkeypatch, tmp_path):
+    """bench_fsdp2's whole path (torchrun per side, the RESULT line, the table, the JSON) on a
+    random 2-layer model: fsdp2 holds half of DDP's AdamW state per rank and gathers twice."""
+    import bench_fsdp2
+
+    monkeypatch.setattr(bench_fsdp2, "RESULTS", tmp_path)
+    results = bench_fsdp2.main(["--source", "tiny", "--iters", "1", "--warmup", "0", "--name", "smoke"])
+    by_side = {r["side"]: r["ranks"] for r in results}
+    assert set(by_side) == {"ddp", "fsdp2"} and all(len(ranks) == 2 for ranks in by_side.values())
+    ddp, fsdp2 = by_side["ddp"][0]["held_bytes"], by_side["fsdp2"][0]["held_bytes"]
+    assert 0.4 < fsdp2["optimizer"] / ddp["optimizer"] < 0.6 and by_side["fsdp2"][0]["gathers_per_iter"] == 2
+    assert json.loads((tmp_path / "smoke.json").read_text())["results"] == results

@@ -73,7 +73,7 @@ def test_generate_rollouts_fast_and_generate_engines_agree_under_greedy():
     model, tok = _model()
     rows = [{"id": str(i), "prompt": p, "gold": "1"} for i, p in enumerate(PROMPTS)]
     kw = dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=10, max_prompt_tokens=256, greedy=True)
-    a = generate_rollouts(model, tok, rows, 2, engine="fast", **kw)
+    a = generate_rollouts(model, tok, rows, 2, engine="decoder", **kw)
     b = generate_rollouts(model, tok, rows, 2, engine="generate", **kw)
     for f in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
@@ -236,7 +236,7 @@ def test_generate_rollouts_passes_the_sampler_to_the_decoder():
     model, tok = _model()
     ids, mask = _prompts(tok)
     rows = [{"prompt": p, "id": str(i)} for i, p in enumerate(PROMPTS)]
-    kw = dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=10, max_prompt_tokens=256, engine="fast")
+    kw = dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=10, max_prompt_tokens=256, engine="decoder")
     out = {}
     for sampler in ("inverse_cdf", "multinomial"):
         torch.manual_seed(3)

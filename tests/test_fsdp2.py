@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from grpo_core import checkpoint, storage
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.pipeline_config import PipelineConfig
 from tests.helpers import same_weights
-from tests.test_reliability import TORCHRUN_TIMEOUT_S, _finish, _iterations, _torchrun, _worker
+from tests.test_reliability import _finish, _iterations, _torchrun, _wait_for_iteration, _worker
 from tests.test_trainer import _update
 
 FSDP2 = {"parallelism": "fsdp2"}
@@ -69,11 +68,7 @@ def test_fsdp2_killed_run_resumes_from_its_sharded_checkpoint_to_the_uninterrupt
     killed, straight = tmp_path / "killed", tmp_path / "straight"
     log = tmp_path / "killed.log"
     proc = _torchrun(tiny, killed, log, **kw)
-    deadline = time.monotonic() + TORCHRUN_TIMEOUT_S
-    while not any(i >= 3 for i in _iterations(killed)):
-        assert proc.poll() is None, f"torchrun exited early:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, "no iteration 3 in time"
-        time.sleep(0.05)
+    _wait_for_iteration(proc, killed, log, 3)
     os.kill(_worker(proc.pid, rank=1).pid, signal.SIGKILL)  # a rank that writes only its shards
     assert _finish(proc, log) != 0
     assert not (killed / "final").exists(), "kill came too late"

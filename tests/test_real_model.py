@@ -117,7 +117,7 @@ def test_shared_prefix_decoder_agrees_with_generate(smol):
 
     model, tok = smol
     assert decode.fast_decode_supported(model)
-    fast = _rollouts(model, tok, PROMPTS, engine="fast", group_size=2)
+    fast = _rollouts(model, tok, PROMPTS, engine="decoder", group_size=2)
     slow = _rollouts(model, tok, PROMPTS, engine="generate", group_size=2)
     assert _completions(fast) == _completions(slow)
     assert fast.completions == slow.completions

@@ -79,6 +79,15 @@ def _finish(proc: subprocess.Popen, log: Path) -> int:
         pytest.fail(f"torchrun did not finish in {TORCHRUN_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
 
 
+def _wait_for_iteration(proc: subprocess.Popen, out: Path, log: Path, iteration: int) -> None:
+    """Until the running stage has logged ``iteration`` (its metrics.jsonl), or fail."""
+    deadline = time.monotonic() + TORCHRUN_TIMEOUT_S
+    while not any(i >= iteration for i in _iterations(out)):
+        assert proc.poll() is None, f"torchrun exited early:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no iteration {iteration} in time"
+        time.sleep(0.05)
+
+
 def _worker(torchrun_pid: int, rank: int) -> psutil.Process:
     for child in psutil.Process(torchrun_pid).children(recursive=True):
         try:
@@ -96,11 +105,7 @@ def test_sigkill_of_a_torchrun_worker_then_rerun_resumes_bitwise(tiny, tmp_path)
     killed, straight = tmp_path / "killed", tmp_path / "straight"
     log = tmp_path / "killed.log"
     proc = _torchrun(tiny, killed, log, **kw)
-    deadline = time.monotonic() + TORCHRUN_TIMEOUT_S
-    while not any(i >= 3 for i in _iterations(killed)):
-        assert proc.poll() is None, f"torchrun exited early:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, "no iteration 3 in time"
-        time.sleep(0.05)
+    _wait_for_iteration(proc, killed, log, 3)
     victim = _worker(proc.pid, rank=0)
     workers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
     os.kill(victim.pid, signal.SIGKILL)

@@ -91,7 +91,7 @@ def test_stop_token_ids_add_the_checkpoints_other_eos_ids():
         assert stop_token_ids(model, tok) == want, listed
 
 
-@pytest.mark.parametrize("engine", ["fast", "generate"])
+@pytest.mark.parametrize("engine", ["decoder", "generate"])
 def test_rollouts_stop_at_a_turn_end_token_the_generation_config_lists(engine):
     """A chat checkpoint whose turns end with a token other than the tokenizer's eos (listed in
     its generation_config, as Llama-3-Instruct's <|eot_id|>): sampling, the completion mask and
