@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_core.rewards import gold_value
+from grpo_core.answers import gold_value
 
 SPLITS = ("train", "validation", "test")
 TEST_PERCENT = 15  # share of arithmetic problems reserved for the final evaluation

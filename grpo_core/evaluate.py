@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from grpo_core.rewards import is_correct
+from grpo_core.answers import is_correct
 from grpo_core.rollout import generate_rollouts
 from grpo_core.stats import mcnemar_exact, wilson_interval
 

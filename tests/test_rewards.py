@@ -8,7 +8,8 @@ from fractions import Fraction
 
 import pytest
 
-from grpo_core import rewards
+from grpo_core import answers, rewards
+from grpo_core.answers import extract_answer, format_ok, gold_value, is_correct, parse_number
 from grpo_core.rewards import (
     CORRECT_REWARD,
     FORMAT_BONUS,
@@ -16,15 +17,10 @@ from grpo_core.rewards import (
     RewardSpec,
     RewardTimeoutError,
     combine_rewards,
-    extract_answer,
-    format_ok,
     format_reward,
-    gold_value,
     gsm8k_correctness,
     gsm8k_reward,
-    is_correct,
     load_reward_fn,
-    parse_number,
     resolve_specs,
     target_char_fraction,
 )
@@ -360,8 +356,9 @@ def test_reward_time_limit_stops_a_hung_function_and_restores_the_alarm():
         signal.signal(signal.SIGALRM, mine)
 
 
-def test_docstring_examples():
-    result = doctest.testmod(rewards)
+@pytest.mark.parametrize("module", [answers, rewards])
+def test_docstring_examples(module):
+    result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
 
 
