@@ -115,6 +115,19 @@ def disable_levers(names: list[str]) -> None:
             scoring.SCORE_CALL_COST = float("inf")
 
 
+def update_flops(model, batch) -> float:
+    """Matmul FLOPs of one full-fine-tuning forward + backward over ``batch`` as our update runs
+    it: 6 x the non-embedding parameters per token forwarded (every completion token, plus each
+    group's prompt once: the shared-prefix scorer), plus 6 x hidden x vocab for the LM head at
+    each completion token. Attention's own score and value matmuls are left out (small at these
+    lengths), and so is padding: the figure counts useful work."""
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    body = sum(p.numel() for p in model.parameters()) - emb.numel() - (0 if head is emb else head.numel())
+    completion = float(batch.completion_mask.sum())
+    prompt = float(batch.prompt_mask[::batch.group_size].sum())
+    return 6.0 * body * (completion + prompt) + 6.0 * emb.shape[1] * head.shape[0] * completion
+
+
 def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emit=None,
              compile_scoring: bool = False, overrides: dict | None = None) -> list[dict]:
     """Our trainer's iterations; ``gate()`` (if given) is called before each one and ``emit(row)``
@@ -154,6 +167,7 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
                      "generate": t["time_generate"], "reward": t["time_reward"],
                      "ref_old_logp": t["time_ref"], "fwd_bwd_step": t["time_update"] - t["time_ref"],
                      "tokens": float(batch.completion_mask.sum()), "completions": len(batch),
+                     "update_flops": update_flops(trainer.model, batch),
                      "reward_mean": m["reward"], "kl": m["kl"]})
         if emit:
             emit(rows[-1])

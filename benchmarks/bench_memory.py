@@ -22,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +59,21 @@ def run_worker(cmd: list[str], env: dict, label: str) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def matmul_peak_gflops(n: int = 2048, reps: int = 10) -> float:
+    """This process's fp32 ``torch.mm`` throughput (median of ``reps`` n x n products) at its
+    current thread count: the physical ceiling beside the update's achieved GFLOP/s."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
 def worker(args) -> dict:
     import resource
 
@@ -69,7 +85,12 @@ def worker(args) -> dict:
     rows = run_ours(SHAPE, args.model_dir, args.iters, args.warmup, overrides=overrides)
     kept = rows[args.warmup:] or rows
     med = lambda k: round(statistics.median(r[k] for r in kept), 2)  # noqa: E731
+    full = "lora" not in VARIANTS[args.worker]  # LoRA skips the base weights' gradients: another count
+    achieved = statistics.median(r["update_flops"] / r["fwd_bwd_step"] for r in kept) / 1e9 if full else None
+    peak = matmul_peak_gflops()
     return {"variant": args.worker, "settings": VARIANTS[args.worker], "threads": args.threads,
+            "update_gflops": achieved and round(achieved, 1), "matmul_peak_gflops": round(peak, 1),
+            "update_of_peak": achieved and round(achieved / peak, 3),
             "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
             "s_per_iter": med("total"), "generate_s": med("generate"), "reference_s": med("ref_old_logp"),
             "update_s": med("fwd_bwd_step"), "mean_completion_len": round(
@@ -79,13 +100,15 @@ def worker(args) -> dict:
 
 def table(results: list[dict]) -> str:
     base = next((r for r in results if r["variant"] == "default"), results[0])
-    lines = ["| variant | settings | peak RSS GB | vs default | s/iter | generate | reference | update |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | settings | peak RSS GB | vs default | s/iter | generate | reference | update | "
+             "update GFLOP/s (of mm peak) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['variant']} | {json.dumps(r['settings']) if r['settings'] else '-'} | "
                      f"{r['peak_rss_gb']:.2f} | {r['peak_rss_gb'] / base['peak_rss_gb']:.2f}x | "
                      f"{r['s_per_iter']:.1f} | "
-                     f"{r['generate_s']:.1f} | {r['reference_s']:.1f} | {r['update_s']:.1f} |")
+                     f"{r['generate_s']:.1f} | {r['reference_s']:.1f} | {r['update_s']:.1f} | "
+                     + (f"{r['update_gflops']:.1f} ({r['update_of_peak']:.0%} of {r['matmul_peak_gflops']:.0f}) |"
+                        if r.get("update_gflops") else "- |"))
     return "\n".join(lines)
 
 
