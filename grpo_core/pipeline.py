@@ -16,12 +16,11 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from grpo_core import storage
+from grpo_core import stages, storage
 from grpo_core.config import gsm8k_source
 from grpo_core.pipeline_config import PipelineConfig
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
-STAGES = ("sft", "curriculum", "gsm8k")  # the checkpoints the flow evaluates, in pipeline order
 RESUME_CHAIN = "resume_chain.json"  # in a training step's storage: the earlier attempts it resumes from
 ITEM_COLUMNS = ("item_id", "correct", "gold", "truncated", "completion")  # per-item evaluation table
 
@@ -196,7 +195,7 @@ def stage_config(cfg: PipelineConfig, stage: str, step: str, model_uri: str, ctx
     gang, node 0 (global rank 0: the one that logs and saves) opens the stage's MLflow run and
     records the resume chain; the other nodes get the same stage without them, in an output
     dir of their own (gang tasks can share one machine)."""
-    task = "arith" if stage == "curriculum" else "gsm8k"
+    task = stages.stage(stage).data
     table = getattr(cfg, stage)  # periodic evaluation and the gate read the validation split
     validated = table.get("eval_every") or table.get("gate_metric")
     names = (f"{task}_train",) + ((f"{task}_validation",) if validated else ())
@@ -227,7 +226,7 @@ def resume_chain(origin_uri: str) -> list[str]:
 def in_stage_order(results: list[dict]) -> list[dict]:
     """Evaluation results sorted sft, curriculum, gsm8k: the last one is the shipped model's,
     whatever order the foreach join hands them in."""
-    return sorted(results, key=lambda r: STAGES.index(r["stage"]))
+    return sorted(results, key=lambda r: stages.EVALUATED.index(r["stage"]))
 
 
 def stage_system_prompt(cfg: PipelineConfig, stage: str) -> str | None:
@@ -248,7 +247,7 @@ def evaluate_checkpoint(cfg: PipelineConfig, stage: str, model_uri: str, dataset
     torch.manual_seed(0)
     e = cfg.evaluate
     sets = eval_sets(e, {**cfg.curriculum, "gsm8k_source": datasets["gsm8k_test"]["source"]})
-    trust = any(getattr(cfg, s).get("trust_remote_code", False) for s in ("curriculum", "gsm8k"))
+    trust = any(getattr(cfg, s.name).get("trust_remote_code", False) for s in stages.GRPO_STAGES)
     model, tok = load_policy(model_uri, trust_remote_code=trust)
     if torch.cuda.is_available():
         model.to("cuda")

@@ -18,6 +18,7 @@ from grpo_core.config import (
     from_dict,
     require,
 )
+from grpo_core.stages import GRPO_STAGES
 
 
 @dataclass
@@ -223,7 +224,7 @@ class PipelineConfig:
 
     def __post_init__(self):
         # Validate the stage tables now (fail fast in `start`), keep them as dicts for overrides.
-        for stage, task in (("curriculum", "arithmetic"), ("gsm8k", "gsm8k")):
+        for stage, task in ((s.name, s.task) for s in GRPO_STAGES):
             table = {"stage": stage, "task": task, **getattr(self, stage)}
             cfg = from_dict(GRPOConfig, {**table, "model": table.get("model", "validated-later")}, stage)
             world = self.compute.nproc_per_node * self.compute.nodes

@@ -198,3 +198,16 @@ def test_credentials_in_the_tracking_uri_are_refused(uri, monkeypatch):
         resolve_tracking_uri(None, ".")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "postgresql://u:p@db/mlflow")  # a database store: its own URI form
     assert resolve_tracking_uri(None, ".") == "postgresql://u:p@db/mlflow"
+
+
+def test_the_stage_table_names_each_stage_once_with_a_known_task():
+    from grpo_core.config import TASKS
+    from grpo_core.stages import EVALUATED, GRPO_STAGES, stage
+
+    assert [s.name for s in GRPO_STAGES] == list(EVALUATED[1:]) and EVALUATED[0] == "sft"
+    assert all(s.task in TASKS for s in GRPO_STAGES)
+    pc = PipelineConfig.from_dict({})
+    assert [pc.stage(s.name, model="m").task for s in GRPO_STAGES] == [s.task for s in GRPO_STAGES]
+    assert stage("curriculum").data == "arith"
+    with pytest.raises(KeyError, match=r"no GRPO stage 'warmup'; the stages are \['curriculum', 'gsm8k'\]"):
+        stage("warmup")

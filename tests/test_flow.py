@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 
 from grpo_core.pipeline_config import deep_merge
+from grpo_core.stages import GRPO_STAGES
 from tests.conftest import S3_ENV, free_port
 from tests.helpers import GSM8K_DIR, REPO, same_weights
 
 FLOW = str(REPO / "flows" / "grpo_flow.py")
 K8S_CFG = str(REPO / "flows" / "configs" / "kubernetes.toml")
-TRAINING_STEPS = {"curriculum_grpo", "gsm8k_grpo"}
+TRAINING_STEPS = {s.step for s in GRPO_STAGES}  # the stage table names the flow's training steps
 TINY = {
     "name": "tiny",
     "sft": {"steps": 30},
