@@ -137,7 +137,7 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
 
     from grpo_core import dist
     from grpo_core.config import GRPOConfig
-    from grpo_core.trainer import Trainer, iteration_seed
+    from grpo_core.trainer import TIMED_PHASES, Trainer, iteration_seed
 
     out_dir = tempfile.mkdtemp(prefix="bench_ours_")
     settings = dict(overrides or {})
@@ -155,7 +155,7 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
     for it in range(1, iters + warmup + 1):  # the body of Trainer.run without checkpoints / eval
         if gate:
             gate()
-        trainer.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
+        trainer.timings = dict.fromkeys(TIMED_PHASES, 0.0)  # this iteration's phases only
         torch.manual_seed(iteration_seed(cfg.seed, it, 0))
         t0, c0, w0 = time.perf_counter(), time.process_time(), time.time()
         batch, roll = trainer.rollout()

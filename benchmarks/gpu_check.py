@@ -127,9 +127,7 @@ def trainer_for(model_dir: str, out: str, info, **over):
 
     fields = dict(beta=0.04, lr=1e-2, group_size=4, prompts_per_iter=2, max_grad_norm=0.0)
     cfg = GRPOConfig(model=model_dir, output_dir=out, **{**fields, **over})
-    trainer = Trainer(cfg, info)
-    trainer.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
-    return trainer
+    return Trainer(cfg, info)
 
 
 def grads(model) -> dict:
@@ -139,6 +137,12 @@ def grads(model) -> dict:
 def close_grads(a: dict, b: dict, rtol=1e-3, atol=1e-6) -> tuple[bool, float]:
     worst = max(((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-12)).item() for k in b)
     return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=rtol, atol=atol) for k in b), worst
+
+
+def cosine(a: dict, b: dict) -> float:
+    """Cosine similarity of two gradients (name -> tensor), flattened in ``b``'s key order."""
+    flat = lambda g: torch.cat([g[k].flatten().double() for k in sorted(b)])  # noqa: E731
+    return torch.nn.functional.cosine_similarity(flat(a), flat(b), dim=0).item()
 
 
 # ----------------------------------------------------------------------------- single-process part
@@ -197,26 +201,11 @@ def correctness(dev, tmp: str, vocab: int) -> dict:
     # precision = "bf16" (autocast, float32 weights) on the device vs the fp32 update there
     tr = trainer_for(model_dir, f"{tmp}/upd_bf16", dist.DistInfo(0, 1, 0, dev), group_size=8, precision="bf16")
     tr.update(copy.deepcopy(batch))
-    bf16 = grads(tr.model)
-    flat = [torch.cat([d[k].flatten() for k in sorted(d)]) for d in (bf16, got[dev.type])]
-    cos = torch.nn.functional.cosine_similarity(*flat, dim=0).item()
+    cos = cosine(grads(tr.model), got[dev.type])
     check("Trainer.update precision=bf16 vs fp32 on the device", cos > 0.999 and all(
         p.dtype == torch.float32 for p in tr.model.parameters()), f"(gradient cosine {cos:.6f})")
     res["trainer_update_bf16_grad_cosine"] = cos
-    # LoRA (rank 4, peft): adapter gradients on the device vs CPU (fp32), and bf16 vs fp32 there
-    lora = {}
-    for d, prec in ((dev, "fp32"), (torch.device("cpu"), "fp32"), (dev, "bf16")):
-        tr = trainer_for(model_dir, f"{tmp}/lora_{d.type}_{prec}", dist.DistInfo(0, 1, 0, d), group_size=8,
-                         precision=prec, lora={"rank": 4, "alpha": 8.0})
-        tr.update(copy.deepcopy(batch))
-        lora[d.type, prec] = grads(tr.model)
-    ok, worst = close_grads(lora[dev.type, "fp32"], lora["cpu", "fp32"])
-    check("LoRA Trainer.update adapter gradients, device vs CPU", ok and all("lora_" in k for k in lora["cpu", "fp32"]),
-          f"(worst rel diff {worst:.1e})")
-    flat = [torch.cat([d[k].flatten() for k in sorted(d)]) for d in (lora[dev.type, "bf16"], lora[dev.type, "fp32"])]
-    cos = torch.nn.functional.cosine_similarity(*flat, dim=0).item()
-    check("LoRA Trainer.update precision=bf16 vs fp32 on the device", cos > 0.999, f"(gradient cosine {cos:.6f})")
-    res["lora_update_worst_rel_grad_diff"], res["lora_update_bf16_grad_cosine"] = worst, cos
+    res.update(lora_checks(dev, tmp, model_dir, batch))
     # the shared-prefix decoder and scorer vs generate / full forward on the tiny fp32 model
     from grpo_core.models import load_policy
     model, tok = load_policy(model_dir)
@@ -232,6 +221,23 @@ def correctness(dev, tmp: str, vocab: int) -> dict:
     check("shared-prefix scoring == full forward (tiny fp32)", res["scoring_fp32_max_diff"] < 1e-4,
           f"(max |dlogp| {res['scoring_fp32_max_diff']:.1e})")
     return res
+
+
+def lora_checks(dev, tmp: str, model_dir: str, batch: RolloutBatch) -> dict:
+    """LoRA (rank 4, peft): one Trainer.update's adapter gradients on the device vs CPU (fp32),
+    and bf16 vs fp32 on the device."""
+    lora = {}
+    for d, prec in ((dev, "fp32"), (torch.device("cpu"), "fp32"), (dev, "bf16")):
+        tr = trainer_for(model_dir, f"{tmp}/lora_{d.type}_{prec}", dist.DistInfo(0, 1, 0, d), group_size=8,
+                         precision=prec, lora={"rank": 4, "alpha": 8.0})
+        tr.update(copy.deepcopy(batch))
+        lora[d.type, prec] = grads(tr.model)
+    ok, worst = close_grads(lora[dev.type, "fp32"], lora["cpu", "fp32"])
+    check("LoRA Trainer.update adapter gradients, device vs CPU", ok and all("lora_" in k for k in lora["cpu", "fp32"]),
+          f"(worst rel diff {worst:.1e})")
+    cos = cosine(lora[dev.type, "bf16"], lora[dev.type, "fp32"])
+    check("LoRA Trainer.update precision=bf16 vs fp32 on the device", cos > 0.999, f"(gradient cosine {cos:.6f})")
+    return {"lora_update_worst_rel_grad_diff": worst, "lora_update_bf16_grad_cosine": cos}
 
 
 def shared_vs_full(model, ids, mask, comp, G: int, eos: int) -> float:
@@ -412,11 +418,6 @@ def ddp_part(tmp: str) -> dict:
         check("FSDP2 bf16 mixed-precision gradients ~ fp32 (cosine > 0.99)", 0.99 < cos, f"(cosine {cos:.5f})")
         res.update(fsdp2_worst_rel_grad_diff=worst, fsdp2_bf16_cosine=cos)
     return res
-
-
-def cosine(a: dict, b: dict) -> float:
-    flat = lambda g: torch.cat([g[k].flatten().double() for k in sorted(b)])  # noqa: E731
-    return torch.nn.functional.cosine_similarity(flat(a), flat(b), dim=0).item()
 
 
 def fsdp2_grads(model_dir: str, tmp: str, info, full: RolloutBatch, rows, precision: str) -> dict:

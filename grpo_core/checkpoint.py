@@ -193,6 +193,13 @@ def fetch(loc: str, name: str, scratch: str | Path) -> Path | None:
     return None
 
 
+def name_of(path: str | Path) -> str:
+    """The checkpoint name (``ckpt-<iteration>``) of a local copy: the checkpoint dir itself, or a
+    ``fetch`` download dir, whose name prefixes the source's hash."""
+    name = Path(path).name
+    return name[name.index(PREFIX):]
+
+
 def load(path: str | Path, model, optimizer, scheduler, read_shards=None) -> dict:
     """Restore model/optimizer/scheduler/RNG from a verified checkpoint; returns state.json.
     ``read_shards(path)`` loads a sharded checkpoint's weights and optimizer state (given exactly

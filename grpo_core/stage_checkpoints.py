@@ -39,7 +39,7 @@ class StageCheckpoints:
         dir of this rank's own."""
         if chosen.is_dir():
             return chosen
-        name = chosen.name[chosen.name.index(checkpoint.PREFIX):]  # a download dir prefixes its source's hash
+        name = checkpoint.name_of(chosen)
         stored = [storage.join(u, "checkpoints") for u in self.cfg.resume_from]
         for loc in stored:
             got = checkpoint.fetch(loc, name, self.scratch / f"rank-{self.info.rank}")

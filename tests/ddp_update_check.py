@@ -51,7 +51,6 @@ shard = batch.select_groups(rows)
 if last_rank_empty and info.rank == info.world_size - 1:  # as dynamic sampling leaves a rank with nothing informative
     shard.loss_rows = torch.zeros(len(shard), dtype=torch.bool)
 shard.advantages = trainer.advantages(shard.rewards, shard.loss_rows)  # scale="batch": the std over all ranks
-trainer.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
 trainer.update(shard)
 # gradients after DDP's all-reduce, or FSDP's reduce-scatter gathered whole (a collective: every
 # rank); Adam's first step amplifies float noise in near-zero gradients to +-lr, so the gradient

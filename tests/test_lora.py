@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_core import dist, lora
+from grpo_core import lora
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.decode import fast_decode_supported, sample_shared_prefix
 from grpo_core.models import load_policy, save_policy
@@ -16,18 +16,18 @@ from grpo_core.scoring import completion_logprobs
 from grpo_core.train import load_config, main
 from grpo_core.trainer import Trainer
 from tests.faults import InjectedFault, crash_after_iteration
-from tests.helpers import SEVENS, fixed_rollout_batch, same_weights, stage_args
+from tests.helpers import fixed_rollout_batch, same_weights
+from tests.test_trainer import _in_process_trainer
+from tests.test_trainer import _stage as trainer_stage
 from tests.test_trainer import _update as ddp_update
 
 LORA = {"rank": 4, "alpha": 8.0}
 
 
 def _trainer(tiny, out, **kw) -> Trainer:
-    fields = {**dict(model=str(tiny), output_dir=str(out), rewards=SEVENS, lr=1e-2, beta=0.04, group_size=4,
-                     prompts_per_iter=2, max_new_tokens=7, max_grad_norm=0.0, lora=LORA), **kw}
-    trainer = Trainer(load_config(None, [a.removeprefix("--set=") for a in stage_args(**fields)]), dist.init())
-    trainer.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
-    return trainer
+    """One update per ``update()`` call (mu = 1), as the tests below count steps."""
+    return _in_process_trainer(tiny, out, **{**dict(lr=1e-2, prompts_per_iter=2, max_new_tokens=7, max_grad_norm=0.0,
+                                                    mu=1, lora=LORA), **kw})
 
 
 def _logp(model, batch) -> torch.Tensor:
@@ -122,9 +122,7 @@ def test_adapter_dropout_while_training_falls_back_to_generate(tiny, tmp_path):
 
 
 def _stage(tiny, out, **kw):
-    base = dict(model=str(tiny), output_dir=str(out), rewards=SEVENS, iterations=6, lr=3e-2, beta=0.04,
-                prompts_per_iter=4, group_size=4, save_every=2, max_new_tokens=12, mu=2, lora=LORA)
-    return stage_args(**{**base, **kw})
+    return trainer_stage(tiny, out, **{"lr": 3e-2, "lora": LORA, **kw})
 
 
 def test_lora_checkpoints_hold_the_adapters_and_resume_bitwise(tiny, tmp_path):

@@ -36,7 +36,6 @@ def _update(tiny, out, precision, **kw):
     cfg = load_config(None, [a.removeprefix("--set=") for a in _stage(
         tiny, out, precision=precision, max_grad_norm=0.0, lr=1e-7, max_new_tokens=7, **kw)])
     trainer = Trainer(cfg, dist.init())
-    trainer.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
     batch = fixed_rollout_batch(2)
     batch.advantages = trainer.advantages(batch.rewards)
     stats = trainer.update(batch)

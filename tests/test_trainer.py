@@ -291,7 +291,6 @@ def test_micro_batches_give_the_full_batch_update_for_every_loss_type(tiny, tmp_
         trainer = Trainer(cfg, dist.init())
         batch = fixed_rollout_batch(4)
         batch.advantages = trainer.advantages(batch.rewards)
-        trainer.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
         stats = trainer.update(batch)
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
         results[micro] = grads, stats  # the second update's gradient (weights: Adam's first step turns
@@ -312,9 +311,7 @@ def _in_process_trainer(tiny, out, **kw):
     from grpo_core import dist
     from grpo_core.trainer import Trainer
 
-    trainer = Trainer(load_config(None, [a.removeprefix("--set=") for a in _stage(tiny, out, **kw)]), dist.init())
-    trainer.timings = dict.fromkeys(("time_generate", "time_reward", "time_ref", "time_update"), 0.0)
-    return trainer
+    return Trainer(load_config(None, [a.removeprefix("--set=") for a in _stage(tiny, out, **kw)]), dist.init())
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
