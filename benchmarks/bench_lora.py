@@ -72,13 +72,15 @@ def train(variant: str, model: str, work: Path, iterations: int | None, threads:
 def evaluate(model_dir: str) -> list[dict]:
     import torch
 
+    from grpo_core import tasks
     from grpo_core.evaluate import eval_sets, greedy_results
     from grpo_core.models import load_policy
     from grpo_core.pipeline_config import PipelineConfig, parse_config_text
 
     pipe = PipelineConfig.from_dict(parse_config_text((ROOT / "flows/configs/local.toml").read_text()))
     arith_only = dataclasses.replace(pipe.evaluate, gsm8k_size=-1)
-    rows = eval_sets(arith_only, pipe.curriculum)["arith_holdout"]
+    task = tasks.task("arithmetic")
+    rows = eval_sets(arith_only, {task.name: task.params_of(pipe.stage("curriculum", model="-"))})["arithmetic_test"]
     model, tok = load_policy(model_dir)
     torch.manual_seed(0)
     return greedy_results(model, tok, rows, max_new_tokens=pipe.evaluate.max_new_tokens)

@@ -39,11 +39,11 @@ def _dataset(model_dir: str, n: int):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from grpo_core.data import arithmetic_rows
     from grpo_core.rollout import render_prompts
+    from grpo_core.tasks import arithmetic
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    rows = arithmetic_rows()
+    rows = arithmetic.rows("train")
     prompts = render_prompts(tok, [r["prompt"] for r in rows])
     reps = -(-n // len(prompts))
     return Dataset.from_dict({"prompt": (prompts * reps)[:n]}), tok

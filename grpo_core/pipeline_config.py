@@ -19,6 +19,9 @@ from grpo_core.config import (
     require,
 )
 from grpo_core.stages import GRPO_STAGES
+from grpo_core.tasks import dataset_name
+
+TEST_SETS = tuple(dataset_name(s.task, "test") for s in GRPO_STAGES)  # what register.primary may name
 
 
 @dataclass
@@ -37,7 +40,7 @@ class SFTConfig:
     layers: int = 2
     """Tiny model layers."""
     heads: int = 4
-    """Tiny model attention heads."""
+    """Tiny model attention heads (hidden / heads must be an even head size)."""
     steps: int = 1200
     """SFT optimizer steps."""
     batch_size: int = 64
@@ -101,7 +104,7 @@ class EvalConfig:
     gsm8k_max_new_tokens: int = 0
     """Greedy generation cap of GSM8K test answers (chains of thought run longer); 0 = max_new_tokens."""
     batch_size: int = 64
-    """Prompts per generate call."""
+    """Prompts per generate call (rows that finish leave the batch; see ``decode.py``)."""
 
     def __post_init__(self):
         require(self.gsm8k_size >= -1, "evaluate.gsm8k_size",
@@ -112,6 +115,15 @@ class EvalConfig:
             require(getattr(self, name) >= 1, f"evaluate.{name}", f"must be >= 1, got {getattr(self, name)}")
         require(self.gsm8k_max_new_tokens >= 0, "evaluate.gsm8k_max_new_tokens",
                  f"must be >= 0 (0 = max_new_tokens), got {self.gsm8k_max_new_tokens}")
+
+    def size(self, task: str) -> int | None:
+        """How many of ``task``'s test items the evaluation reads: N, None for all of them, 0 to
+        skip the task. A task without a size field here is evaluated whole."""
+        if task == "arithmetic":
+            return self.arith_size
+        if task == "gsm8k":
+            return 0 if self.gsm8k_size < 0 else self.gsm8k_size or None
+        return None
 
     def budget(self, set_name: str) -> int:
         """The generation cap of one evaluation set (every model gets the same)."""
@@ -130,11 +142,11 @@ class RegisterConfig:
     alpha: float = 0.05
     """Significance level for the 'significant' rule."""
     primary: str = "gsm8k_test"
-    """Evaluation set the champion comparison uses."""
+    """Evaluation set the champion comparison uses: a stage task's test split, ``<task>_test``."""
 
     def __post_init__(self):
         check_choice(self.rule, ("significant", "better", "always"), "register.rule")
-        check_choice(self.primary, ("gsm8k_test", "arith_holdout"), "register.primary")
+        check_choice(self.primary, TEST_SETS, "register.primary")
         require(math.isfinite(self.alpha) and 0 < self.alpha < 1, "register.alpha",
                  f"must be a significance level strictly between 0 and 1 (e.g. 0.05), got {self.alpha}")
 
@@ -146,7 +158,8 @@ class ComputeConfig:
     backend: str = "local"
     """'local' (this machine) or 'kubernetes' (training steps get @kubernetes)."""
     nproc_per_node: int = 2
-    """torchrun processes per node of a training step (GPUs per node on a cluster)."""
+    """torchrun processes per node of a training step (GPUs per node on a cluster: must equal
+    ``gpu`` on Kubernetes)."""
     nodes: int = 1
     """Nodes per training step. Each node is one task of a Metaflow ``@parallel`` gang that runs
     torchrun with ``nproc_per_node`` ranks, so the world is ``nodes x nproc_per_node``. On
@@ -208,9 +221,11 @@ class PipelineConfig:
     name: str = "local"
     """Config name (recorded in MLflow and the registry)."""
     storage_root: str = ".grpo/artifacts"
-    """Checkpoints/models: a local dir (relative to the project) or s3://bucket/prefix."""
+    """Checkpoints/models: a local dir (relative to the project) or s3://bucket/prefix;
+    GRPO_STORAGE_ROOT overrides it. Must be s3:// with the Kubernetes backend."""
     tracking_uri: str | None = None
-    """MLflow tracking URI; None: MLFLOW_TRACKING_URI, else a project-local sqlite db."""
+    """MLflow tracking URI; unset: MLFLOW_TRACKING_URI, else sqlite:///<project>/.grpo/mlflow/mlflow.db.
+    With the Kubernetes backend it must be an http(s):// or databricks server the pods can reach."""
     experiment: str = "grpo"
     """MLflow experiment name."""
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -259,8 +274,8 @@ class PipelineConfig:
                      "tracking_uri", f"{self.tracking_uri!r} is not a tracking server, but compute.backend = "
                      "'kubernetes': training pods cannot reach a file or sqlite store on this machine; set "
                      "tracking_uri to the MLflow server's http(s):// URL (or databricks)")
-        evaluated = {"gsm8k_test": self.evaluate.gsm8k_size >= 0, "arith_holdout": self.evaluate.arith_size > 0}
-        require(evaluated[self.register.primary], "register.primary",
+        evaluated = [dataset_name(s.task, "test") for s in GRPO_STAGES if self.evaluate.size(s.task) != 0]
+        require(self.register.primary in evaluated, "register.primary",
                  f"{self.register.primary!r} is not evaluated (evaluate.gsm8k_size = {self.evaluate.gsm8k_size}, "
                  f"evaluate.arith_size = {self.evaluate.arith_size}); compare on a set that is, or evaluate it")
 

@@ -253,9 +253,7 @@ def _fmt_acc(tags: dict, eval_set: str) -> str:
     acc = tags.get(f"eval.{eval_set}.accuracy")
     if acc is None:
         return "-"
-    # versions registered before 2026-12-05 carry the same interval as ci95_low / ci95_high
-    low = tags.get(f"eval.{eval_set}.ci_low", tags.get(f"eval.{eval_set}.ci95_low"))
-    high = tags.get(f"eval.{eval_set}.ci_high", tags.get(f"eval.{eval_set}.ci95_high"))
+    low, high = tags.get(f"eval.{eval_set}.ci_low"), tags.get(f"eval.{eval_set}.ci_high")
     return f"{float(acc):.3f} [{float(low):.3f},{float(high):.3f}]"
 
 

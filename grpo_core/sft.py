@@ -19,10 +19,12 @@ from pathlib import Path
 import torch
 
 from grpo_core.config import gsm8k_source
-from grpo_core.data import arithmetic_rows, gsm8k_rows, sft_target
+from grpo_core.data import sft_target
 from grpo_core.models import build_tiny, save_policy
 from grpo_core.pipeline_config import SFTConfig
 from grpo_core.rollout import render_prompts
+from grpo_core.tasks import arithmetic
+from grpo_core.tasks import gsm8k as gsm8k_task
 
 THINK_END = "</think>"  # where the reasoning ends in the SFT target (data.SFT_FORMAT)
 MAX_SFT_TOKENS = 512  # longer rows lose the end of their reasoning, never the answer
@@ -69,9 +71,9 @@ def bootstrap(cfg: SFTConfig, out_dir: str | Path, gsm8k: str = "openai/gsm8k") 
     GSM8K source the run fingerprinted (hub id or dir), for ``gsm8k_examples``."""
     torch.manual_seed(cfg.seed)
     model, tok = build_tiny(cfg.arch, cfg.hidden, cfg.layers, cfg.heads, seed=cfg.seed)
-    rows = arithmetic_rows(cfg.arith_ops, cfg.arith_min, cfg.arith_max, "train")
+    rows = arithmetic.rows("train", cfg.arith_ops, cfg.arith_min, cfg.arith_max)
     if cfg.gsm8k_examples:
-        rows += gsm8k_rows(gsm8k_source(gsm8k), "train", limit=cfg.gsm8k_examples)
+        rows += gsm8k_task.rows("train", gsm8k_source(gsm8k), limit=cfg.gsm8k_examples)
     examples = encode_examples(tok, rows)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(

@@ -1,9 +1,9 @@
 """The pipeline's GRPO stages, declared once: the config, the pipeline and the flow's training
-steps read their names, tasks, dataset names and steps from this table.
+steps read their names, tasks and steps from this table.
 
     stage        the config table ([curriculum]), the MLflow child run and the evaluated checkpoint
-    task         GRPOConfig.task: which prompts it trains on (config.TASKS)
-    data         the prefix of its dataset identities: <data>_train, <data>_validation
+    task         GRPOConfig.task: which task's prompts it trains on (``grpo_core/tasks``); its
+                 datasets are named <task>_train, <task>_validation
     step         the flow's @parallel training step that runs it
 
 The flow evaluates the start model ("sft") and then each stage's model, in this order.
@@ -17,13 +17,12 @@ from dataclasses import dataclass
 class Stage:
     name: str
     task: str
-    data: str
     step: str
 
 
 GRPO_STAGES = (
-    Stage("curriculum", "arithmetic", "arith", "curriculum_grpo"),
-    Stage("gsm8k", "gsm8k", "gsm8k", "gsm8k_grpo"),
+    Stage("curriculum", "arithmetic", "curriculum_grpo"),
+    Stage("gsm8k", "gsm8k", "gsm8k_grpo"),
 )
 EVALUATED = ("sft",) + tuple(s.name for s in GRPO_STAGES)  # the checkpoints the flow evaluates, in order
 

@@ -327,7 +327,7 @@ class Trainer:
         with self._forward_only():
             res = greedy_results(self.model, self.tok, rows, max_new_tokens=self.cfg.eval_max_new_tokens
                                  or self.cfg.max_new_tokens, max_prompt_tokens=self.cfg.max_prompt_tokens,
-                                 system_prompt=self.cfg.system_prompt)
+                                 system_prompt=self.cfg.system_prompt, engine=self.engine)
         right, total = dist.all_reduce_sum([sum(r["correct"] for r in res), len(res)], self.info.device)
         return right / max(total, 1)
 

@@ -57,7 +57,7 @@ def evaluation_results() -> list[dict]:
     results = []
     stages = (("sft", {0, 5}, {1, 2}), ("curriculum", {0, 1, 5, 6}, {2}), ("gsm8k", {0, 1, 2, 5, 6}, ()))
     for stage, right, cut in stages:
-        it = {"arith_holdout": items("arith_holdout", 16, right | {10, 11}, cut),
+        it = {"arithmetic_test": items("arithmetic_test", 16, right | {10, 11}, cut),
               "gsm8k_test": items("gsm8k_test", 8, right, cut)}
         results.append({"stage": stage, "model_uri": f"/m/{stage}", "items": it,
                         "summary": {k: summarize(v) for k, v in it.items()}})

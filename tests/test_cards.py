@@ -176,7 +176,8 @@ def test_evaluation_card_pairs_every_stage_with_the_start_model_on_the_same_item
     assert rows["gsm8k"][7] == "+0.062"  # against the curriculum stage: one more item right
     answers = [[cell(c) for c in r] for r in tables[1]["data"]]
     assert [r[2] for r in answers] == ["sft", "curriculum", "gsm8k"] * 3  # the same items for every stage
-    assert [r[0] for r in answers[::3]] == ["arith_holdout:1", "arith_holdout:2", "arith_holdout:6"]  # disagreements
+    disagreements = ["arithmetic_test:1", "arithmetic_test:2", "arithmetic_test:6"]
+    assert [r[0] for r in answers[::3]] == disagreements
     assert answers[0][3] == "✗ wrong, cut off" and answers[1][3] == "✓ right"
     assert LONG[:200] + "…" in answers[0][4]
     assert "McNemar" in card.of_type("markdown")[0]["source"] and "95% Wilson" in card.of_type("markdown")[0]["source"]

@@ -127,7 +127,7 @@ def test_out_of_range_values_name_the_field_and_fix(override, match):
 def test_boundary_values_are_accepted():
     pc = PipelineConfig.from_dict({
         "evaluate": {"gsm8k_size": -1, "arith_size": 1, "max_new_tokens": 1, "batch_size": 1},
-        "register": {"alpha": 0.5, "primary": "arith_holdout"},
+        "register": {"alpha": 0.5, "primary": "arithmetic_test"},
         "compute": {"threads_per_proc": 1, "cpu": 1, "memory": 1, "gpu": 0, "shared_memory": 1, "disk": 1},
         "curriculum": {"gate_metric": "reward", "gate_threshold": -0.5, "gate_patience": 1,
                        "eval_max_new_tokens": 0, "max_resample_rounds": 0, "clip_high": 0.28},
@@ -201,13 +201,37 @@ def test_credentials_in_the_tracking_uri_are_refused(uri, monkeypatch):
 
 
 def test_the_stage_table_names_each_stage_once_with_a_known_task():
-    from grpo_core.config import TASKS
     from grpo_core.stages import EVALUATED, GRPO_STAGES, stage
+    from grpo_core.tasks import registry
 
     assert [s.name for s in GRPO_STAGES] == list(EVALUATED[1:]) and EVALUATED[0] == "sft"
-    assert all(s.task in TASKS for s in GRPO_STAGES)
+    assert all(s.task in registry() for s in GRPO_STAGES)
     pc = PipelineConfig.from_dict({})
     assert [pc.stage(s.name, model="m").task for s in GRPO_STAGES] == [s.task for s in GRPO_STAGES]
-    assert stage("curriculum").data == "arith"
+    assert stage("curriculum").task == "arithmetic"
     with pytest.raises(KeyError, match=r"no GRPO stage 'warmup'; the stages are \['curriculum', 'gsm8k'\]"):
         stage("warmup")
+
+
+def test_the_readme_config_reference_is_the_one_generated_from_the_field_docstrings():
+    """Fields are documented once, in their docstrings: README's reference block must be exactly
+    what ``python -m grpo_core.config_reference`` makes of them, and every field must have one."""
+    import dataclasses
+
+    from grpo_core.config import LoraSettings
+    from grpo_core.config_reference import RUNTIME, TABLES, field_docs, reference, replaced
+    from grpo_core.pipeline_config import ComputeConfig, EvalConfig, RegisterConfig, SFTConfig
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    fix = "python -m grpo_core.config_reference --write README.md"
+    assert replaced(readme) == readme, f"README's config reference drifted from the docstrings: {fix}"
+    for cls in (PipelineConfig, ComputeConfig, SFTConfig, GRPOConfig, LoraSettings, EvalConfig, RegisterConfig):
+        undocumented = [f.name for f in dataclasses.fields(cls)
+                        if f.name not in field_docs(cls) and f.name not in TABLES + RUNTIME]
+        assert not undocumented, f"{cls.__name__} fields without a docstring: {undocumented}"
+    table = reference()
+    assert "| `micro_batch_groups` | `0` |" in table and "| `primary` | `\"gsm8k_test\"` |" in table
+    assert "`tracking_run_id`" in table.split("Filled in by the flow")[1]  # runtime fields listed, not tabled
+    assert "| `tracking_run_id` |" not in table
+    edited = readme.replace("| `lr` | `0.0001` |", "| `lr` | `0.001` |")
+    assert edited != readme and replaced(edited) == readme  # a hand edit is what the test catches

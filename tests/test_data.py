@@ -1,11 +1,14 @@
 """Data splits: training, the validation the gate selects on, and the test the evaluation reports
 are disjoint, so no reported accuracy is chosen on the items it reports."""
+import os
+
 import pytest
 
 from grpo_core.config import GRPOConfig
-from grpo_core.data import SPLITS, arithmetic_rows, arithmetic_split, eval_rows, gsm8k_rows, train_rows
+from grpo_core.data import eval_rows, train_rows
 from grpo_core.evaluate import eval_sets
 from grpo_core.pipeline_config import PipelineConfig
+from grpo_core.tasks import SPLITS, arithmetic, gsm8k
 from tests.helpers import GSM8K_DIR
 
 needs_gsm8k = pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs GSM8K_DIR (a local GSM8K copy)")
@@ -16,7 +19,7 @@ def _ids(rows):
 
 
 def test_arithmetic_splits_are_disjoint_cover_everything_and_keep_commuted_twins_together():
-    splits = {s: arithmetic_rows("+-*", 0, 20, s) for s in SPLITS}
+    splits = {s: arithmetic.rows(s, "+-*", 0, 20) for s in SPLITS}
     ids = [_ids(rows) for rows in splits.values()]
     assert sum(map(len, ids)) == len(set().union(*ids)) == 21 * 21 * 3
     shares = {s: len(rows) / (21 * 21 * 3) for s, rows in splits.items()}
@@ -24,19 +27,20 @@ def test_arithmetic_splits_are_disjoint_cover_everything_and_keep_commuted_twins
     for a in range(21):
         for b in range(21):
             for op in "+*":
-                assert arithmetic_split(a, op, b) == arithmetic_split(b, op, a), (a, op, b)
+                assert arithmetic.split_of(a, op, b) == arithmetic.split_of(b, op, a), (a, op, b)
     # subtraction is not commutative: 3-5 and 5-3 are different problems and may split apart
-    assert any(arithmetic_split(a, "-", b) != arithmetic_split(b, "-", a) for a in range(21) for b in range(21))
+    assert any(arithmetic.split_of(a, "-", b) != arithmetic.split_of(b, "-", a) for a in range(21) for b in range(21))
     with pytest.raises(ValueError, match="split must be one of"):
-        arithmetic_rows(split="holdout")
+        arithmetic.rows(split="holdout")
 
 
 def test_the_curriculum_gate_selects_on_validation_and_the_evaluation_reports_test():
     cfg = PipelineConfig.from_dict({"evaluate": {"gsm8k_size": -1, "arith_size": 500},
-                                    "register": {"primary": "arith_holdout"}})
+                                    "register": {"primary": "arithmetic_test"}})
     stage = GRPOConfig(task="arithmetic", model="-")
     validation, training = _ids(eval_rows(stage, 10_000)), _ids(train_rows(stage))
-    reported = _ids(eval_sets(cfg.evaluate, cfg.curriculum)["arith_holdout"])
+    params = arithmetic.TASK.params_of(cfg.stage("curriculum", model="-"))
+    reported = _ids(eval_sets(cfg.evaluate, {"arithmetic": params})["arithmetic_test"])
     assert validation and training and reported
     assert not validation & training and not validation & reported and not reported & training
 
@@ -45,14 +49,14 @@ def test_the_curriculum_gate_selects_on_validation_and_the_evaluation_reports_te
 def test_gsm8k_validation_comes_from_train_and_is_never_trained_on(monkeypatch):
     monkeypatch.setenv("GSM8K_DIR", str(GSM8K_DIR))
     source = str(GSM8K_DIR)
-    train, validation = gsm8k_rows(source, "train"), gsm8k_rows(source, "validation")
+    train, validation = gsm8k.rows("train", source), gsm8k.rows("validation", source)
     assert len(train) + len(validation) == 7473 and 0.03 < len(validation) / 7473 < 0.07
     assert not _ids(train) & _ids(validation)
     stage = GRPOConfig(task="gsm8k", model="-", gsm8k_source=source)
     periodic = eval_rows(stage, 100)
     assert len(periodic) == 100 and _ids(periodic) <= _ids(validation)
     assert not _ids(periodic) & _ids(train_rows(stage))
-    assert [r["id"] for r in gsm8k_rows(source, "test", limit=3)] == ["gsm8k_test:0", "gsm8k_test:1", "gsm8k_test:2"]
+    assert [r["id"] for r in gsm8k.rows("test", source, limit=3)] == ["gsm8k_test:0", "gsm8k_test:1", "gsm8k_test:2"]
 
 
 def test_sft_rows_too_long_lose_reasoning_never_the_answer_or_the_stop():
@@ -80,8 +84,6 @@ def test_gsm8k_digest_is_of_the_rows_not_of_the_file_or_its_name(tmp_path):
     copy of the same rows (hub or local, any formatting, any path) must agree, a changed row not."""
     import json
 
-    from grpo_core.data import dataset_digest
-
     rows = [{"question": f"Tom has {n} apples and eats 1. How many are left?",
              "answer": f"{n} - 1 = {n - 1}\n#### {n - 1}"} for n in range(2, 8)]
 
@@ -95,6 +97,68 @@ def test_gsm8k_digest_is_of_the_rows_not_of_the_file_or_its_name(tmp_path):
     spaced = write("b", [json.dumps({"answer": r["answer"], "question": r["question"], "extra": 1}, indent=None,
                                     separators=(" , ", " : ")) for r in rows])
     changed = write("c", [json.dumps({**r, "answer": r["answer"].replace("#### 6", "#### 7")}) for r in rows])
-    assert dataset_digest(compact, "test") == dataset_digest(spaced, "test")
-    assert dataset_digest(compact, "test") != dataset_digest(changed, "test")
-    assert dataset_digest(compact, "test") != dataset_digest(write("d", [json.dumps(r) for r in rows[::-1]]), "test")
+    assert gsm8k.identity("test", compact)["digest"] == gsm8k.identity("test", spaced)["digest"]
+    assert gsm8k.identity("test", compact)["digest"] != gsm8k.identity("test", changed)["digest"]
+    reordered = write("d", [json.dumps(r) for r in rows[::-1]])
+    assert gsm8k.identity("test", compact)["digest"] != gsm8k.identity("test", reordered)["digest"]
+
+
+PARITY_TASK = """
+from grpo_core.tasks import Task, bucket
+
+
+def rows(split, arith_max=20):
+    out = [{"id": f"parity:{n}", "prompt": f"Is {n} odd? Answer 1 for yes, 0 for no.", "gold": str(n % 2)}
+           for n in range(arith_max + 1)]
+    return [r for r in out if ("test" if bucket(r["id"]) < 30 else "validation" if bucket(r["id"]) < 50
+                               else "train") == split]
+
+
+def identity(split, arith_max=20):
+    return {"source": f"parity:0..{arith_max}", "split": split, "digest": str(len(rows(split, arith_max)))}
+
+
+TASK = Task("parity", ("arith_max",), rows, identity)
+"""
+
+
+def test_a_new_task_is_one_file_that_config_training_and_evaluation_pick_up(tmp_path, monkeypatch):
+    """Dropping a module that defines TASK into the tasks package is the whole change: the stage
+    config accepts its name, training and the gate read its splits, the evaluation its test split."""
+    import grpo_core.tasks as tasks_pkg
+    from grpo_core.config import ConfigError
+    from grpo_core.pipeline_config import EvalConfig
+
+    (tmp_path / "parity.py").write_text(PARITY_TASK)
+    with pytest.raises(ConfigError, match="parity"):
+        GRPOConfig(task="parity", model="-")
+    monkeypatch.setattr(tasks_pkg, "__path__", [*tasks_pkg.__path__, str(tmp_path)])
+    tasks_pkg.registry.cache_clear()
+    try:
+        stage = GRPOConfig(task="parity", model="-", arith_max=99)
+        train, validation = _ids(train_rows(stage)), _ids(eval_rows(stage, 1000))
+        assert train and validation and not train & validation and len(train | validation) < 100
+        test = eval_sets(EvalConfig(), {"parity": {"arith_max": 99}})  # no size field: all of it
+        assert list(test) == ["parity_test"] and not _ids(test["parity_test"]) & (train | validation)
+        assert tasks_pkg.split_of("parity_validation") == (tasks_pkg.task("parity"), "validation")
+    finally:
+        tasks_pkg.registry.cache_clear()
+
+
+@needs_gsm8k
+def test_the_run_fingerprints_every_split_of_every_stage_task_by_one_name(monkeypatch, tmp_path):
+    """``start`` records each stage task's train/validation/test as <task>_<split>, with the params
+    it read (GSM8K_DIR resolved), so training pods and the evaluation read what was fingerprinted;
+    data that cannot be read stops it with the dataset's name and the fix."""
+    from grpo_core.pipeline import dataset_identities
+
+    monkeypatch.setenv("GSM8K_DIR", str(GSM8K_DIR))
+    found = dataset_identities(PipelineConfig.from_dict({"curriculum": {"arith_max": 30}}))
+    assert set(found) == {f"{t}_{s}" for t in ("arithmetic", "gsm8k") for s in SPLITS}
+    assert found["gsm8k_test"]["params"] == {"gsm8k_source": os.path.abspath(GSM8K_DIR)}
+    assert found["arithmetic_test"]["params"] == {"arith_ops": "+-*", "arith_min": 0, "arith_max": 30}
+    assert found["arithmetic_test"]["source"] == "arithmetic:+-*:0..30"
+    assert found["gsm8k_train"]["digest"] == found["gsm8k_validation"]["digest"] != found["gsm8k_test"]["digest"]
+    monkeypatch.setenv("GSM8K_DIR", str(tmp_path / "missing"))
+    with pytest.raises(RuntimeError, match=r"gsm8k_train could not be read .* point GSM8K_DIR"):
+        dataset_identities(PipelineConfig.from_dict({}))

@@ -34,25 +34,25 @@ def test_comparison_refuses_different_items():
 
 def test_stage_table_pairs_every_stage_with_the_start_row():
     def result(stage, correct, cut):
-        items = {"arith_holdout": _items(correct, cut)}
-        return {"stage": stage, "items": items, "summary": {"arith_holdout": summarize(items["arith_holdout"])}}
+        items = {"arithmetic_test": _items(correct, cut)}
+        return {"stage": stage, "items": items, "summary": {"arithmetic_test": summarize(items["arithmetic_test"])}}
 
     results = paired_with_start([result("sft", [True] + [False] * 9, [True] + [False] * 9),
                                  result("curriculum", [True] * 9 + [False], [False] * 10),
                                  result("gsm8k", [True] * 8 + [False] * 2, [False] * 10)])
     # gsm8k against the curriculum: 1 lost, 0 gained -> p = 1; against the start: 7 gained
-    assert results[2]["vs_previous"]["arith_holdout"] == {"delta": pytest.approx(-0.1), "p_value": 1.0,
+    assert results[2]["vs_previous"]["arithmetic_test"] == {"delta": pytest.approx(-0.1), "p_value": 1.0,
                                                           "gained": 0, "lost": 1, "stage": "curriculum"}
-    assert results[2]["vs_start"]["arith_holdout"]["gained"] == 7
+    assert results[2]["vs_start"]["arithmetic_test"]["gained"] == 7
     assert "vs_start" not in results[0]
-    assert results[1]["vs_start"]["arith_holdout"]["gained"] == 8
+    assert results[1]["vs_start"]["arithmetic_test"]["gained"] == 8
     stage = {"iterations_run": 3, "last": {"informative_frac": 0.5}}
     table = summary_table(results, stage, stage, {"model_name": "m", "version": 1, "decision": "first"})
     start_line = next(ln for ln in table.splitlines() if ln.strip().startswith("sft"))
     cur_line = next(ln for ln in table.splitlines() if ln.strip().startswith("curriculum "))
     assert "10.0%" in start_line and "-" in start_line
     assert "+0.800" in cur_line and "0.0078" in cur_line  # 8 gained, 0 lost: 2 / 2^8
-    assert results[1]["vs_previous"]["arith_holdout"]["stage"] == "sft"
+    assert results[1]["vs_previous"]["arithmetic_test"]["stage"] == "sft"
     one = {"iterations_run": 1, "last": {}, "reward_trend": {"first": 0.0, "last": 0.0, "window": 1, "diff": 0.0,
                                                             "ci_low": float("nan"), "ci_high": float("nan")}}
     table = summary_table(results, stage, one, {"model_name": "m", "version": 1, "decision": "promoted",
@@ -63,5 +63,5 @@ def test_stage_table_pairs_every_stage_with_the_start_row():
 
 def test_gsm8k_gets_its_own_generation_cap():
     e = EvalConfig(max_new_tokens=128, gsm8k_max_new_tokens=384)
-    assert (e.budget("arith_holdout"), e.budget("gsm8k_test")) == (128, 384)
+    assert (e.budget("arithmetic_test"), e.budget("gsm8k_test")) == (128, 384)
     assert EvalConfig(max_new_tokens=96).budget("gsm8k_test") == 96

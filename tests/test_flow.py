@@ -189,13 +189,14 @@ def test_mlflow_records_every_stage_without_duplicate_steps(crashed_and_resumed)
     gsm = children["gsm8k"]
     assert gsm.data.params["loss_type"] == "dapo" and "objective.normaliser" in gsm.data.params
     assert {d.dataset.name for d in gsm.inputs.dataset_inputs} == {"gsm8k_train"}  # no eval_every, no gate
-    assert {d.dataset.name for d in children["curriculum"].inputs.dataset_inputs} == {"arith_train", "arith_validation"}
+    curriculum_data = {d.dataset.name for d in children["curriculum"].inputs.dataset_inputs}
+    assert curriculum_data == {"arithmetic_train", "arithmetic_validation"}
     assert children["curriculum"].data.metrics["reward_trend/window"] >= 1
     ev = children["evaluate"].data.metrics
     assert 0.0 <= ev["eval/gsm8k_test/accuracy"] <= 1.0
     acc = "eval/gsm8k_test/accuracy"
     assert ev[f"{acc}_ci_low"] <= ev[acc] <= ev[f"{acc}_ci_high"]
-    assert "eval/arith_holdout/sft/accuracy" in ev
+    assert "eval/arithmetic_test/sft/accuracy" in ev
     version = client.get_model_version("grpo-gsm8k", run["register"].task["registry"].data["version"])
     assert version.tags["grpo.config"] == "tiny"
 
@@ -203,7 +204,7 @@ def test_mlflow_records_every_stage_without_duplicate_steps(crashed_and_resumed)
 def test_end_prints_stage_table_and_reward_trend(crashed_and_resumed):
     *_, run = crashed_and_resumed
     out = run["end"].task.stdout
-    assert "arith_holdout" in out and "gsm8k_test" in out and "95% CI" in out, out
+    assert "arithmetic_test" in out and "gsm8k_test" in out and "95% CI" in out, out
     assert "curriculum GRPO: " in out and "means of the first/last" in out, out
 
 
@@ -212,10 +213,10 @@ def test_evaluation_keeps_per_item_results_for_every_stage(crashed_and_resumed):
     results = run["join_evaluations"].task["results"].data
     assert [r["stage"] for r in results] == ["sft", "curriculum", "gsm8k"]
     for r in results:
-        assert len(r["items"]["gsm8k_test"]) == 8 and len(r["items"]["arith_holdout"]) == 16
+        assert len(r["items"]["gsm8k_test"]) == 8 and len(r["items"]["arithmetic_test"]) == 16
         assert {i["item_id"] for i in r["items"]["gsm8k_test"]} == {f"gsm8k_test:{k}" for k in range(8)}
     card = card_data(run["join_evaluations"].task, "evaluation")
-    assert "arith_holdout" in card and "curriculum" in card and "95% Wilson" in card
+    assert "arithmetic_test" in card and "curriculum" in card and "95% Wilson" in card
     training = card_data(run["curriculum_grpo"].task, "training")
     assert "informative" in training and "mean of the first vs last" in training
 

@@ -23,7 +23,7 @@ def items(n_right: int, n: int = N, prefix: str = "gsm8k") -> list[dict]:
 
 
 def evals(n_right: int) -> dict[str, list[dict]]:
-    return {"gsm8k_test": items(n_right), "arith_holdout": items(min(N, n_right + 5), prefix="arith")}
+    return {"gsm8k_test": items(n_right), "arithmetic_test": items(min(N, n_right + 5), prefix="arith")}
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_registry_flow_sqlite(sqlite_uri, model_dir, capsys):
     assert run.data.tags["promotion.decision"] == "promoted" and run.data.tags["promotion.eval_set"] == "gsm8k_test"
     assert run.data.metrics["promotion.challenger_accuracy"] == pytest.approx(51 / 60)
     assert {a.path for a in client.list_artifacts(mv.run_id, "eval")} == {
-        "eval/items_gsm8k_test.json", "eval/items_arith_holdout.json"}
+        "eval/items_gsm8k_test.json", "eval/items_arithmetic_test.json"}
 
     again = _register(uri, model_dir, 51, rule="better", run_id=mv.run_id)  # a resumed register step
     assert again["version"] == 5 and len(client.search_model_versions(f"name='{name}'")) == 5

@@ -628,7 +628,7 @@ GOOD = {"question": "Tom has 2 apples and buys 3. How many?", "answer": "2+3=5\n
      r"train\.jsonl row 1 \(0-based\): gold answer is not a number"),
 ])
 def test_bad_gsm8k_files_name_the_file_and_row(tmp_path, files, match):
-    from grpo_core.data import load_gsm8k
+    from grpo_core.tasks.gsm8k import load
 
     d = tmp_path / "gsm8k"
     if files is not None:
@@ -636,7 +636,7 @@ def test_bad_gsm8k_files_name_the_file_and_row(tmp_path, files, match):
         for name, text in files.items():
             (d / name).write_text(text)
     with pytest.raises((ValueError, FileNotFoundError), match=match):
-        load_gsm8k(str(d), "train")
+        load(str(d), "train")
 
 
 def test_bad_gsm8k_row_stops_a_stage_before_anything_is_written(tiny, tmp_path, monkeypatch):

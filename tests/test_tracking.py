@@ -254,16 +254,17 @@ def test_a_rerun_of_the_evaluation_logging_adds_no_second_point(sqlite_uri):
 
     parent = start_parent_run(sqlite_uri, "rerun", {"grpo.config": "t"})
     ctx = RunContext("F", "1", None, "/tmp/unused", sqlite_uri, parent)
-    datasets = {"arith_holdout": {"source": "arithmetic:+-*:0..20", "split": "test", "digest": "d"}}
-    results = [{"stage": stage, "summary": {"arith_holdout": {"accuracy": acc, "ci_low": 0.1, "ci_high": 0.9, "n": 4}},
-                "items": {"arith_holdout": [{"item_id": "a", "correct": True}]}}
+    datasets = {"arithmetic_test": {"source": "arithmetic:+-*:0..20", "split": "test", "digest": "d"}}
+    summary = lambda acc: {"arithmetic_test": {"accuracy": acc, "ci_low": 0.1, "ci_high": 0.9, "n": 4}}  # noqa: E731
+    results = [{"stage": stage, "summary": summary(acc),
+                "items": {"arithmetic_test": [{"item_id": "a", "correct": True}]}}
                for stage, acc in (("sft", 0.25), ("gsm8k", 0.5))]
     for _ in range(2):
         log_evaluation(ctx, results, datasets)
     client = _client(sqlite_uri)
     run = client.search_runs([client.get_run(parent).info.experiment_id], "tags.`grpo.stage` = 'evaluate'")[0]
-    for key, value in (("eval/arith_holdout/sft/accuracy", 0.25), ("eval/arith_holdout/accuracy", 0.5)):
+    for key, value in (("eval/arithmetic_test/sft/accuracy", 0.25), ("eval/arithmetic_test/accuracy", 0.5)):
         assert [m.value for m in client.get_metric_history(run.info.run_id, key)] == [value], key
-    items = _load_table(sqlite_uri, run, "eval/gsm8k/items_arith_holdout_table.json")  # per item, once
+    items = _load_table(sqlite_uri, run, "eval/gsm8k/items_arithmetic_test_table.json")  # per item, once
     assert list(items.columns) == ["item_id", "correct", "gold", "truncated", "completion"]
     assert items[["item_id", "correct"]].to_dict("list") == {"item_id": ["a"], "correct": [True]}
