@@ -26,7 +26,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 def _evaluate_cmd(model: str, size: int, cap: int) -> list[str]:
     return [sys.executable, "-m", "grpo_core.evaluate", "--model", model, "--set", "arithmetic_test",
-            "--size", str(size), "--max-new-tokens", str(cap), "--arith-max", "30"]
+            "--size", str(size), "--max-new-tokens", str(cap), "--arithmetic-max", "30"]
 
 
 def timed(commands: list[list[str]], together: bool) -> float:

@@ -10,7 +10,7 @@ Each variant is ``flows/configs/local.toml``'s ``[curriculum]`` table (30 iterat
 G=8, 48 new tokens, beta 0.04) with the variant's changes, trained by ``python -m grpo_core.train``
 in a child process of its own (peak RSS: that process's ``ru_maxrss``, model loading included;
 seconds per iteration: the median over iterations of metrics.jsonl's phase times). Evaluation is
-the pipeline's: greedy, the first ``[evaluate] arith_size`` items of the 0..30 test split, cap
+the pipeline's: greedy, the first ``[evaluate] arithmetic_size`` items of the 0..30 test split, cap
 ``max_new_tokens``. Writes ``benchmarks/results/<name>.json`` with every item's result.
 """
 from __future__ import annotations
@@ -78,9 +78,10 @@ def evaluate(model_dir: str) -> list[dict]:
     from grpo_core.pipeline_config import PipelineConfig, parse_config_text
 
     pipe = PipelineConfig.from_dict(parse_config_text((ROOT / "flows/configs/local.toml").read_text()))
-    arith_only = dataclasses.replace(pipe.evaluate, gsm8k_size=-1)
+    arithmetic_only = dataclasses.replace(pipe.evaluate, gsm8k_size=-1)
     task = tasks.task("arithmetic")
-    rows = eval_sets(arith_only, {task.name: task.params_of(pipe.stage("curriculum", model="-"))})["arithmetic_test"]
+    params = task.params_of(pipe.stage("curriculum", model="-"))
+    rows = eval_sets(arithmetic_only, {task.name: params})["arithmetic_test"]
     model, tok = load_policy(model_dir)
     torch.manual_seed(0)
     return greedy_results(model, tok, rows, max_new_tokens=pipe.evaluate.max_new_tokens)

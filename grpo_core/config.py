@@ -17,13 +17,12 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from grpo_core import tasks
+from grpo_core import engines, tasks
 
 SCALES = ("group", "batch", "none")
 SAMPLERS = ("inverse_cdf", "multinomial")
 PRECISIONS = ("fp32", "bf16")
 PARALLELISMS = ("ddp", "fsdp2")
-ROLLOUT_ENGINES = ("auto", "decoder", "generate")  # engines.ENGINES (config cannot import torch)
 TINY_ARCHITECTURES = ("llama", "qwen2")  # models.ARCHITECTURES (config cannot import torch)
 FRACTION_METRICS = ("eval_accuracy", "informative_frac")  # gate metrics that never exceed 1
 GATE_METRICS = ("eval_accuracy", "informative_frac", "reward")
@@ -106,8 +105,9 @@ def check_choice(value, allowed, where):
 
 def check_arithmetic(ops: str, lo: int, hi: int, where: str):
     """The arithmetic task's operators and operand range (GRPO stages and the bootstrap SFT)."""
-    require(lo <= hi, f"{where}.arith_min", "must be <= arith_max")
-    require(bool(ops) and set(ops) <= set("+-*"), f"{where}.arith_ops", f"{ops!r}: use a non-empty subset of '+-*'")
+    require(lo <= hi, f"{where}.arithmetic_min", "must be <= arithmetic_max")
+    require(bool(ops) and set(ops) <= set("+-*"), f"{where}.arithmetic_ops",
+            f"{ops!r}: use a non-empty subset of '+-*'")
 
 
 @dataclass
@@ -151,11 +151,11 @@ class GRPOConfig:
     its train split)."""
     gsm8k_source: str = "openai/gsm8k"
     """GSM8K hub id or a local dir with train.jsonl/test.jsonl (GSM8K_DIR overrides)."""
-    arith_ops: str = "+-*"
+    arithmetic_ops: str = "+-*"
     """Operators the arithmetic curriculum draws from."""
-    arith_min: int = 0
+    arithmetic_min: int = 0
     """Smallest operand of the arithmetic curriculum."""
-    arith_max: int = 20
+    arithmetic_max: int = 20
     """Largest operand of the arithmetic curriculum."""
     system_prompt: str | None = None
     """System message put before every prompt of this stage (rollouts, in-stage evaluation, and the
@@ -306,7 +306,7 @@ class GRPOConfig:
         check_choice(self.loss_type, loss_type_names(), f"{w}.loss_type")
         check_choice(self.scale, SCALES, f"{w}.scale")
         check_choice(self.sampler, SAMPLERS, f"{w}.sampler")
-        check_choice(self.rollout_engine, ROLLOUT_ENGINES, f"{w}.rollout_engine")
+        check_choice(self.rollout_engine, tuple(engines.ENGINES), f"{w}.rollout_engine")
         check_choice(self.precision, PRECISIONS, f"{w}.precision")
         check_choice(self.parallelism, PARALLELISMS, f"{w}.parallelism")
         require(self.group_size >= 2, f"{w}.group_size", f"{self.group_size} < 2: a group needs at least "
@@ -333,7 +333,7 @@ class GRPOConfig:
                  w, "top_k, warmup_iters and eval_every must be >= 0")
         require(self.micro_batch_groups >= 0, f"{w}.micro_batch_groups",
                  f"must be >= 0 (0 = all of a rank's groups at once), got {self.micro_batch_groups}")
-        check_arithmetic(self.arith_ops, self.arith_min, self.arith_max, w)
+        check_arithmetic(self.arithmetic_ops, self.arithmetic_min, self.arithmetic_max, w)
         if isinstance(self.lora, dict):  # built directly (tests, benchmarks) rather than from a table
             self.lora = from_dict(LoraSettings, self.lora, f"{w}.lora")
         self.lora.check(w, self.disable_dropout)

@@ -15,15 +15,15 @@ The evaluation decodes through the same seam (``evaluate.greedy_results`` with
 with "auto".
 
 The engines here sample with the policy module itself, in this process, so syncing only records
-the module. Adding an engine is one class with these two methods plus one ``ENGINES`` entry;
-the stage config's ``rollout_engine`` selects it by name.
+the module. Adding an engine is one class with these two methods plus its ``ENGINES`` entry
+beside it; the stage config's ``rollout_engine`` selects it by name and is validated against
+``ENGINES`` (this module imports no transformers at load, so the config can read it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
 
-from grpo_core.rollout import generate_rollouts
 from grpo_core.types import RolloutBatch
 
 
@@ -68,6 +68,8 @@ class InProcessEngine:
         self.model = model  # the same module: nothing to copy
 
     def generate(self, rows: list[dict], group_size: int, sampling: Sampling) -> RolloutBatch:
+        from grpo_core.rollout import generate_rollouts  # transformers: not at config load
+
         if self.model is None:
             raise RuntimeError("sync_weights(model) must come before generate()")
         return generate_rollouts(self.model, self.tok, rows, group_size, engine=self.mode, **sampling.__dict__)

@@ -96,18 +96,18 @@ def main(argv=None):
     p.add_argument("--set", default="arithmetic_test", choices=("arithmetic_test", "gsm8k_test"))
     p.add_argument("--size", type=int, default=200, help="items (N of the test split; 0: all of it)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--arith-ops", default="+-*", help="arithmetic the model was trained on (its test split)")
-    p.add_argument("--arith-min", type=int, default=0)
-    p.add_argument("--arith-max", type=int, default=20)
+    p.add_argument("--arithmetic-ops", default="+-*", help="arithmetic the model was trained on (its test split)")
+    p.add_argument("--arithmetic-min", type=int, default=0)
+    p.add_argument("--arithmetic-max", type=int, default=20)
     p.add_argument("--gsm8k-source", default="openai/gsm8k", help="hub id or dir (GSM8K_DIR wins)")
     a = p.parse_args(argv)
     task, _ = tasks.split_of(a.set)
     if a.size < (1 if task.name == "arithmetic" else 0):
         p.error(f"--size must be >= {1 if task.name == 'arithmetic' else 0} for {a.set}, got {a.size}")
-    cfg = EvalConfig(gsm8k_size=a.size if task.name == "gsm8k" else -1, arith_size=a.size,
+    cfg = EvalConfig(gsm8k_size=a.size if task.name == "gsm8k" else -1, arithmetic_size=a.size,
                      max_new_tokens=a.max_new_tokens)
-    fields = GRPOConfig(stage="evaluate", model="-", arith_ops=a.arith_ops, arith_min=a.arith_min,
-                        arith_max=a.arith_max, gsm8k_source=a.gsm8k_source)
+    fields = GRPOConfig(stage="evaluate", model="-", arithmetic_ops=a.arithmetic_ops, arithmetic_min=a.arithmetic_min,
+                        arithmetic_max=a.arithmetic_max, gsm8k_source=a.gsm8k_source)
     params = task.params_of(fields)
     rows = eval_sets(cfg, {task.name: params})[a.set]
     model, tok = load_policy(a.model)

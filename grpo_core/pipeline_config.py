@@ -47,11 +47,11 @@ class SFTConfig:
     """SFT examples per step."""
     lr: float = 3e-3
     """SFT peak learning rate (cosine decay to 10%)."""
-    arith_ops: str = "+-*"
+    arithmetic_ops: str = "+-*"
     """Operators of the synthetic SFT arithmetic."""
-    arith_min: int = 0
+    arithmetic_min: int = 0
     """Smallest SFT operand."""
-    arith_max: int = 20
+    arithmetic_max: int = 20
     """Largest SFT operand."""
     gsm8k_examples: int = 0
     """GSM8K train rows mixed into SFT (their reasoning + answer in the tag format)."""
@@ -70,7 +70,7 @@ class SFTConfig:
         require(self.hidden % self.heads == 0 and (self.hidden // self.heads) % 2 == 0, "sft.heads",
                  f"hidden {self.hidden} / heads {self.heads} must be an even whole head size (rotary "
                  "embeddings rotate pairs); e.g. hidden = 64, heads = 4")
-        check_arithmetic(self.arith_ops, self.arith_min, self.arith_max, "sft")
+        check_arithmetic(self.arithmetic_ops, self.arithmetic_min, self.arithmetic_max, "sft")
         require(self.gsm8k_examples >= 0, "sft.gsm8k_examples", f"must be >= 0, got {self.gsm8k_examples}")
 
 
@@ -96,7 +96,7 @@ class EvalConfig:
 
     gsm8k_size: int = 100
     """GSM8K test items (the first N; 0 for all 1,319; -1 skips GSM8K)."""
-    arith_size: int = 300
+    arithmetic_size: int = 300
     """Held-out arithmetic items (the first N of the test split; 0 skips the set)."""
     max_new_tokens: int = 64
     """Greedy generation cap of held-out arithmetic, the same for every model (the evaluation
@@ -109,8 +109,8 @@ class EvalConfig:
     def __post_init__(self):
         require(self.gsm8k_size >= -1, "evaluate.gsm8k_size",
                  f"must be >= -1 (N items, 0 for all, -1 to skip GSM8K), got {self.gsm8k_size}")
-        require(self.arith_size >= 0, "evaluate.arith_size",
-                 f"must be >= 0 (N items, 0 to skip held-out arithmetic), got {self.arith_size}")
+        require(self.arithmetic_size >= 0, "evaluate.arithmetic_size",
+                 f"must be >= 0 (N items, 0 to skip held-out arithmetic), got {self.arithmetic_size}")
         for name in ("max_new_tokens", "batch_size"):
             require(getattr(self, name) >= 1, f"evaluate.{name}", f"must be >= 1, got {getattr(self, name)}")
         require(self.gsm8k_max_new_tokens >= 0, "evaluate.gsm8k_max_new_tokens",
@@ -120,7 +120,7 @@ class EvalConfig:
         """How many of ``task``'s test items the evaluation reads: N, None for all of them, 0 to
         skip the task. A task without a size field here is evaluated whole."""
         if task == "arithmetic":
-            return self.arith_size
+            return self.arithmetic_size
         if task == "gsm8k":
             return 0 if self.gsm8k_size < 0 else self.gsm8k_size or None
         return None
@@ -277,7 +277,8 @@ class PipelineConfig:
         evaluated = [dataset_name(s.task, "test") for s in GRPO_STAGES if self.evaluate.size(s.task) != 0]
         require(self.register.primary in evaluated, "register.primary",
                  f"{self.register.primary!r} is not evaluated (evaluate.gsm8k_size = {self.evaluate.gsm8k_size}, "
-                 f"evaluate.arith_size = {self.evaluate.arith_size}); compare on a set that is, or evaluate it")
+                 f"evaluate.arithmetic_size = {self.evaluate.arithmetic_size}); compare on a set that is, "
+                 "or evaluate it")
 
     @classmethod
     def from_dict(cls, data: dict) -> "PipelineConfig":

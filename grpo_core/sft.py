@@ -71,7 +71,7 @@ def bootstrap(cfg: SFTConfig, out_dir: str | Path, gsm8k: str = "openai/gsm8k") 
     GSM8K source the run fingerprinted (hub id or dir), for ``gsm8k_examples``."""
     torch.manual_seed(cfg.seed)
     model, tok = build_tiny(cfg.arch, cfg.hidden, cfg.layers, cfg.heads, seed=cfg.seed)
-    rows = arithmetic.rows("train", cfg.arith_ops, cfg.arith_min, cfg.arith_max)
+    rows = arithmetic.rows("train", cfg.arithmetic_ops, cfg.arithmetic_min, cfg.arithmetic_max)
     if cfg.gsm8k_examples:
         rows += gsm8k_task.rows("train", gsm8k_source(gsm8k), limit=cfg.gsm8k_examples)
     examples = encode_examples(tok, rows)

@@ -27,8 +27,8 @@ def test_config_choices_are_exactly_what_the_math_accepts():
     ({"hidden": 12, "heads": 4}, r"sft\.heads: hidden 12 / heads 4"),  # head size 3: odd
     ({"layers": 0}, r"sft\.layers: must be >= 1, got 0"),
     ({"arch": "gpt2"}, r"sft\.arch: 'gpt2' is not allowed; use one of llama, qwen2"),
-    ({"arith_min": 9, "arith_max": 3}, r"sft\.arith_min: must be <= arith_max"),
-    ({"arith_ops": "/"}, r"sft\.arith_ops: '/': use a non-empty subset"),
+    ({"arithmetic_min": 9, "arithmetic_max": 3}, r"sft\.arithmetic_min: must be <= arithmetic_max"),
+    ({"arithmetic_ops": "/"}, r"sft\.arithmetic_ops: '/': use a non-empty subset"),
     ({"gsm8k_examples": -1}, r"sft\.gsm8k_examples: must be >= 0"),
 ])
 def test_a_bootstrap_model_that_cannot_be_built_is_refused_at_load(sft, match):
@@ -93,7 +93,7 @@ def test_gate_patience_below_one_is_refused(patience):
 @pytest.mark.parametrize("override,match", [
     ({"evaluate": {"batch_size": 0}}, r"evaluate\.batch_size: must be >= 1, got 0"),
     ({"evaluate": {"max_new_tokens": 0}}, r"evaluate\.max_new_tokens: must be >= 1, got 0"),
-    ({"evaluate": {"arith_size": -1}}, r"evaluate\.arith_size: must be >= 0 .*got -1"),
+    ({"evaluate": {"arithmetic_size": -1}}, r"evaluate\.arithmetic_size: must be >= 0 .*got -1"),
     ({"evaluate": {"gsm8k_size": -2}}, r"evaluate\.gsm8k_size: must be >= -1 .*-1 to skip GSM8K.*got -2"),
     ({"register": {"alpha": 0}}, r"register\.alpha: must be .*strictly between 0 and 1"),
     ({"register": {"alpha": 1.0}}, r"register\.alpha: must be .*strictly between 0 and 1"),
@@ -126,7 +126,7 @@ def test_out_of_range_values_name_the_field_and_fix(override, match):
 
 def test_boundary_values_are_accepted():
     pc = PipelineConfig.from_dict({
-        "evaluate": {"gsm8k_size": -1, "arith_size": 1, "max_new_tokens": 1, "batch_size": 1},
+        "evaluate": {"gsm8k_size": -1, "arithmetic_size": 1, "max_new_tokens": 1, "batch_size": 1},
         "register": {"alpha": 0.5, "primary": "arithmetic_test"},
         "compute": {"threads_per_proc": 1, "cpu": 1, "memory": 1, "gpu": 0, "shared_memory": 1, "disk": 1},
         "curriculum": {"gate_metric": "reward", "gate_threshold": -0.5, "gate_patience": 1,

@@ -35,7 +35,7 @@ def test_arithmetic_splits_are_disjoint_cover_everything_and_keep_commuted_twins
 
 
 def test_the_curriculum_gate_selects_on_validation_and_the_evaluation_reports_test():
-    cfg = PipelineConfig.from_dict({"evaluate": {"gsm8k_size": -1, "arith_size": 500},
+    cfg = PipelineConfig.from_dict({"evaluate": {"gsm8k_size": -1, "arithmetic_size": 500},
                                     "register": {"primary": "arithmetic_test"}})
     stage = GRPOConfig(task="arithmetic", model="-")
     validation, training = _ids(eval_rows(stage, 10_000)), _ids(train_rows(stage))
@@ -107,18 +107,18 @@ PARITY_TASK = """
 from grpo_core.tasks import Task, bucket
 
 
-def rows(split, arith_max=20):
+def rows(split, arithmetic_max=20):
     out = [{"id": f"parity:{n}", "prompt": f"Is {n} odd? Answer 1 for yes, 0 for no.", "gold": str(n % 2)}
-           for n in range(arith_max + 1)]
+           for n in range(arithmetic_max + 1)]
     return [r for r in out if ("test" if bucket(r["id"]) < 30 else "validation" if bucket(r["id"]) < 50
                                else "train") == split]
 
 
-def identity(split, arith_max=20):
-    return {"source": f"parity:0..{arith_max}", "split": split, "digest": str(len(rows(split, arith_max)))}
+def identity(split, arithmetic_max=20):
+    return {"source": f"parity:0..{arithmetic_max}", "split": split, "digest": str(len(rows(split, arithmetic_max)))}
 
 
-TASK = Task("parity", ("arith_max",), rows, identity)
+TASK = Task("parity", ("arithmetic_max",), rows, identity)
 """
 
 
@@ -135,10 +135,10 @@ def test_a_new_task_is_one_file_that_config_training_and_evaluation_pick_up(tmp_
     monkeypatch.setattr(tasks_pkg, "__path__", [*tasks_pkg.__path__, str(tmp_path)])
     tasks_pkg.registry.cache_clear()
     try:
-        stage = GRPOConfig(task="parity", model="-", arith_max=99)
+        stage = GRPOConfig(task="parity", model="-", arithmetic_max=99)
         train, validation = _ids(train_rows(stage)), _ids(eval_rows(stage, 1000))
         assert train and validation and not train & validation and len(train | validation) < 100
-        test = eval_sets(EvalConfig(), {"parity": {"arith_max": 99}})  # no size field: all of it
+        test = eval_sets(EvalConfig(), {"parity": {"arithmetic_max": 99}})  # no size field: all of it
         assert list(test) == ["parity_test"] and not _ids(test["parity_test"]) & (train | validation)
         assert tasks_pkg.split_of("parity_validation") == (tasks_pkg.task("parity"), "validation")
     finally:
@@ -153,10 +153,10 @@ def test_the_run_fingerprints_every_split_of_every_stage_task_by_one_name(monkey
     from grpo_core.pipeline import dataset_identities
 
     monkeypatch.setenv("GSM8K_DIR", str(GSM8K_DIR))
-    found = dataset_identities(PipelineConfig.from_dict({"curriculum": {"arith_max": 30}}))
+    found = dataset_identities(PipelineConfig.from_dict({"curriculum": {"arithmetic_max": 30}}))
     assert set(found) == {f"{t}_{s}" for t in ("arithmetic", "gsm8k") for s in SPLITS}
     assert found["gsm8k_test"]["params"] == {"gsm8k_source": os.path.abspath(GSM8K_DIR)}
-    assert found["arithmetic_test"]["params"] == {"arith_ops": "+-*", "arith_min": 0, "arith_max": 30}
+    assert found["arithmetic_test"]["params"] == {"arithmetic_ops": "+-*", "arithmetic_min": 0, "arithmetic_max": 30}
     assert found["arithmetic_test"]["source"] == "arithmetic:+-*:0..30"
     assert found["gsm8k_train"]["digest"] == found["gsm8k_validation"]["digest"] != found["gsm8k_test"]["digest"]
     monkeypatch.setenv("GSM8K_DIR", str(tmp_path / "missing"))

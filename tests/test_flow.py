@@ -29,7 +29,7 @@ TINY = {
                    "save_every": 2, "eval_every": 2, "eval_size": 8},
     "gsm8k": {"iterations": 4, "prompts_per_iter": 2, "group_size": 4, "max_new_tokens": 12,
               "save_every": 2, "eval_size": 4},
-    "evaluate": {"gsm8k_size": 8, "arith_size": 16, "max_new_tokens": 12},
+    "evaluate": {"gsm8k_size": 8, "arithmetic_size": 16, "max_new_tokens": 12},
 }
 
 os.environ.setdefault("USERNAME", "pytest")  # Runner resolves the Metaflow user in this process too

@@ -131,7 +131,7 @@ def test_every_phase_runs_in_the_stage_precision_and_only_the_update_replays_lay
     autocast exactly when precision = "bf16"; checkpointed layers are on in the update's forward
     only (transformers releases that checkpoint any training-mode forward would otherwise drop
     the decoder's KV cache and score old log-probs without their prompt)."""
-    import grpo_core.engines as engines_mod
+    import grpo_core.rollout as rollout_mod
     import grpo_core.trainer as trainer_mod
 
     seen = {}
@@ -144,7 +144,7 @@ def test_every_phase_runs_in_the_stage_precision_and_only_the_update_replays_lay
             return fn(model, *args, **kw)
         return wrapped
 
-    for module, name, phase in ((engines_mod, "generate_rollouts", "rollout"),
+    for module, name, phase in ((rollout_mod, "generate_rollouts", "rollout"),
                                 (trainer_mod, "scored_without_grad", "ref_old"),
                                 (trainer_mod, "completion_logprobs", "update"),
                                 (trainer_mod, "greedy_results", "eval")):
