@@ -137,11 +137,11 @@ def _stage_row(r: dict, name: str, is_start: bool) -> list[str]:
     acc = (f"{s['accuracy']:.3f} [{s['ci_low']:.3f}, {s['ci_high']:.3f}]"
            if all(_finite(s.get(k)) for k in ("accuracy", "ci_low", "ci_high")) else "–")
     count = f"{s['correct']} / {s['n']}" if "correct" in s and "n" in s else str(s.get("n", "–"))
-    cut = f"{s['truncated_frac']:.1%}" if _finite(s.get("truncated_frac")) else "–"
+    cut, loops = (f"{s[k]:.1%}" if _finite(s.get(k)) else "–" for k in ("truncated_frac", "looped_frac"))
     if is_start:
-        return [r["stage"], acc, count, cut, "start model", "", "", "", ""]
+        return [r["stage"], acc, count, cut, loops, "start model", "", "", "", ""]
     previous = (r.get("vs_previous") or {}).get(name)
-    return ([r["stage"], acc, count, cut] + _paired((r.get("vs_start") or {}).get(name))
+    return ([r["stage"], acc, count, cut, loops] + _paired((r.get("vs_start") or {}).get(name))
             + _paired(previous)[:2])
 
 
@@ -162,14 +162,16 @@ def stage_table_card(card, results: list[dict]) -> None:
     start = results[0]["stage"]
     card.append(Markdown(
         "# Held-out accuracy by stage (greedy, 95% Wilson interval)\n"
-        f"Every stage answers the same items. **cut off**: answers that hit the generation cap. "
+        "Every stage answers the same items. **cut off**: answers that hit the generation cap while "
+        "not looping. **looped**: answers stopped once they repeated themselves verbatim (at least 3 "
+        "copies of a cycle, 64+ tokens: greedy decoding would repeat it to any cap). "
         f"**vs {start}**: accuracy change against the start model `{start}`, with the exact McNemar p on "
         f"the items the two disagree on (**gained / lost**: right only here / only in `{start}`). "
         "**vs stage before**: the same against the stage this one continued from."))
     for name in results[0].get("summary", {}):
         card.append(Markdown(f"## {name}"))
         card.append(Table([_stage_row(r, name, i == 0) for i, r in enumerate(results)],
-                          headers=["stage", "accuracy [95% CI]", "correct / n", "cut off", f"vs {start}",
+                          headers=["stage", "accuracy [95% CI]", "correct / n", "cut off", "looped", f"vs {start}",
                                    "McNemar p", "gained / lost", "vs stage before", "McNemar p"]))
         ids = answer_items(results, name)
         if not ids:
@@ -179,7 +181,7 @@ def stage_table_card(card, results: list[dict]) -> None:
             for j, r in enumerate(results):
                 it = next(i for i in r["items"][name] if i["item_id"] == item_id)
                 mark = "✓ right" if it.get("correct") else "✗ wrong"
-                mark += ", cut off" if it.get("truncated") else ""
+                mark += ", cut off" if it.get("truncated") else ", looped" if it.get("looped") else ""
                 rows.append([item_id if j == 0 else "", str(it.get("gold", "")) if j == 0 else "", r["stage"], mark,
                              Markdown(_literal(it.get("completion"), COMPLETION_CHARS))])
         card.append(Markdown(f"### {name}: greedy answers to {len(ids)} items (those the stages disagree on "

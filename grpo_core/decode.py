@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_core.config import SAMPLERS
+from grpo_core.loops import LoopRule, LoopTracker
 from grpo_core.lora import is_linear_map, linear_weights
 
 FAST_DECODE_MODEL_TYPES = ("llama", "qwen2")  # pre-norm RMSNorm, rotary, q/k/v/o attention, SiLU-gated MLP
@@ -221,7 +222,7 @@ def no_grad_for_sampling(device):
 def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: int, eos_id, pad_id: int,
                          temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
                          step_logits: list | None = None, compact_below: float = 0.75,
-                         sampler: str = "inverse_cdf"):
+                         sampler: str = "inverse_cdf", loop_rule: LoopRule | None = None):
     """G completions per left-padded prompt [N, P] -> token ids [N*G, T'] (T' <= max_new_tokens).
 
     Each prompt is prefilled once; its K/V are copied G times into buffers of P + T slots that the
@@ -241,6 +242,10 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
     at hidden 64, 0.95x at 128) or "multinomial" (``torch.multinomial``, generate's: one
     exponential number per vocabulary entry, ~0.15 ms a step at 64 x 108 on one CPU thread; the
     same tokens as generate for the same seed).
+
+    loop_rule: stop a row at the first step where its tail is a verbatim loop (``loops.py``; the
+    evaluation's greedy decoding): its last token is the one that completed the loop, and
+    ``loops.looped`` says so afterwards.
     """
     with no_grad_for_sampling(ids.device):
         if sampler not in SAMPLERS:
@@ -255,6 +260,7 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
         tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)       # [B, T]
         rows = torch.arange(B, device=dev)                                       # [b] rows still decoded
         unfinished = torch.ones(B, dtype=torch.bool, device=dev)                 # [b]
+        loops = LoopTracker(B, loop_rule, dev) if loop_rule is not None else None
         for t in range(T):
             if step_logits is not None:
                 step_logits.append(logits.new_zeros(B, logits.shape[-1]).index_copy_(0, rows, logits))
@@ -267,6 +273,8 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
             nxt = torch.where(unfinished, nxt, pad_id)
             tokens[rows, t] = nxt
             unfinished &= (nxt != stop[0]) if len(stop) == 1 else ~torch.isin(nxt, stop)
+            if loops is not None:
+                unfinished &= ~loops.step(tokens, rows, t)
             left = int(unfinished.sum())
             if t == T - 1 or left == 0:
                 break
@@ -274,5 +282,7 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
                 keep = unfinished.nonzero().squeeze(1)
                 rows, nxt, unfinished = rows[keep], nxt[keep], unfinished[keep]
                 step.keep(keep)
+                if loops is not None:
+                    loops.keep(keep)
             logits = step(nxt, t)
         return tokens[:, :t + 1]

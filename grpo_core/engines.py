@@ -40,6 +40,8 @@ class Sampling:
     system_prompt: str | None = None
     greedy: bool = False
     """Argmax tokens instead of samples (the evaluation's decoding; temperature and filters unused)."""
+    stop_loops: bool = False
+    """Stop a completion once it repeats itself verbatim (``loops.LoopRule``; the evaluation's)."""
 
     @classmethod
     def of(cls, cfg) -> Sampling:

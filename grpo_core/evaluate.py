@@ -19,16 +19,19 @@ from grpo_core.stats import mcnemar_exact, wilson_interval
 
 def greedy_results(model, tok, rows: list[dict], *, max_new_tokens: int, batch_size: int = 64,
                    max_prompt_tokens: int = 2048, system_prompt: str | None = None, grade=is_correct,
-                   engine=None) -> list[dict]:
-    """Greedy completion, correctness and whether it was cut off at ``max_new_tokens`` (no stop
-    token), for every row, graded by ``grade`` (the task's). The completions come from ``engine``
-    (a stage's rollout engine; default: ``engines.build("auto", tok)``), synced to ``model``, so
-    prompts render and decode as the stage's rollouts do."""
+                   engine=None, stop_loops: bool = True) -> list[dict]:
+    """Greedy completion and its correctness for every row, graded by ``grade`` (the task's), and
+    how it ended: ``looped`` (it repeated itself verbatim, ``loops.py``: decoding stops there when
+    ``stop_loops``) or ``truncated`` (cut off at ``max_new_tokens`` while not looping), else it
+    ended with a stop token. The completions come from ``engine`` (a stage's rollout engine;
+    default: ``engines.build("auto", tok)``), synced to ``model``, so prompts render and decode as
+    the stage's rollouts do."""
     from grpo_core import engines
+    from grpo_core.loops import looped
 
     engine = engine or engines.build("auto", tok)
     sampling = engines.Sampling(max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
-                                system_prompt=system_prompt, greedy=True)
+                                system_prompt=system_prompt, greedy=True, stop_loops=stop_loops)
     was_training = model.training
     model.eval()
     engine.sync_weights(model)
@@ -36,22 +39,26 @@ def greedy_results(model, tok, rows: list[dict], *, max_new_tokens: int, batch_s
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
         batch = engine.generate(chunk, 1, sampling)
-        for row, text, cut in zip(chunk, batch.completions, batch.truncated.tolist()):
-            out.append({"item_id": row["id"], "correct": bool(grade(text, row["gold"])),
-                        "gold": row["gold"], "completion": text, "truncated": bool(cut)})
+        answer_tokens = batch.completion_mask.sum(-1) - (~batch.truncated).long()  # before the stop token
+        loops = looped(batch.completion_ids, answer_tokens).tolist()
+        for row, text, cut, loop in zip(chunk, batch.completions, batch.truncated.tolist(), loops):
+            out.append({"item_id": row["id"], "correct": bool(grade(text, row["gold"])), "gold": row["gold"],
+                        "completion": text, "truncated": bool(cut and not loop), "looped": bool(loop)})
     model.train(was_training)
     return out
 
 
 def summarize(results: list[dict]) -> dict:
-    """Accuracy with its Wilson 95% interval, the counts it came from, and the share of answers
-    cut off by the generation cap (a cap that cuts many answers measures the cap, not the model)."""
+    """Accuracy with its Wilson 95% interval, the counts it came from, the share of answers cut
+    off by the generation cap while not looping (a cap that cuts many answers measures the cap,
+    not the model), and the share that looped verbatim (no cap would have ended them)."""
     n = len(results)
     k = sum(r["correct"] for r in results)
     low, high = wilson_interval(k, n)
     cut = sum(bool(r.get("truncated")) for r in results)
+    loops = sum(bool(r.get("looped")) for r in results)
     return {"accuracy": k / n if n else 0.0, "ci_low": low, "ci_high": high, "n": n, "correct": k,
-            "truncated_frac": cut / n if n else 0.0}
+            "truncated_frac": cut / n if n else 0.0, "looped_frac": loops / n if n else 0.0}
 
 
 def compare_to_start(start: list[dict], other: list[dict]) -> dict:
@@ -69,50 +76,53 @@ def compare_to_start(start: list[dict], other: list[dict]) -> dict:
 
 def eval_sets(eval_cfg, params: dict[str, dict]) -> dict[str, list[dict]]:
     """The held-out sets: the test split of each task in ``params`` (task name -> its params) that
-    ``eval_cfg`` sizes, as ``<task>_test``: a seeded sample of N for a task whose rows come in a
-    systematic order, else its first N."""
+    ``eval_cfg`` sizes, as ``<task>_test`` (``test_items``)."""
     from grpo_core import tasks
+
+    return {tasks.dataset_name(name, "test"): test_items(tasks.task(name), task_params, size)
+            for name, task_params in params.items() if (size := eval_cfg.size(name)) != 0}
+
+
+def test_items(task, params: dict, size: int | None) -> list[dict]:
+    """``size`` items of ``task``'s test split (None: all of them): a seeded sample for a task
+    whose rows come in a systematic order, else the first N."""
     from grpo_core.data import fixed_subset
 
-    sets = {}
-    for name, task_params in params.items():
-        size = eval_cfg.size(name)
-        if size != 0:
-            task = tasks.task(name)
-            rows = task.rows("test", **task_params)
-            sets[tasks.dataset_name(name, "test")] = (fixed_subset(rows, size or len(rows)) if task.shuffled_subsets
-                                                      else rows[:size])
-    return sets
+    rows = task.rows("test", **params)
+    return fixed_subset(rows, size or len(rows)) if task.shuffled_subsets else rows[:size]
 
 
 def main(argv=None):
+    import dataclasses
+
     from grpo_core import tasks
     from grpo_core.config import GRPOConfig
     from grpo_core.models import load_policy
-    from grpo_core.pipeline_config import EvalConfig
 
+    registry = tasks.registry()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="hub id, local dir, .gguf file or s3:// URI")
-    p.add_argument("--set", default="arithmetic_test", choices=("arithmetic_test", "gsm8k_test"))
+    p.add_argument("--set", default="arithmetic_test", choices=[tasks.dataset_name(t, "test") for t in registry])
     p.add_argument("--size", type=int, default=200, help="items (N of the test split; 0: all of it)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--arithmetic-ops", default="+-*", help="arithmetic the model was trained on (its test split)")
-    p.add_argument("--arithmetic-min", type=int, default=0)
-    p.add_argument("--arithmetic-max", type=int, default=20)
-    p.add_argument("--gsm8k-source", default="openai/gsm8k", help="hub id or dir (GSM8K_DIR wins)")
+    p.add_argument("--keep-loops", action="store_true",
+                   help="decode answers that repeat themselves verbatim to the cap (default: stop them)")
+    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    for param in sorted({q for t in registry.values() for q in t.params}):  # the data each task reads
+        kind = str if defaults[param] is None else type(defaults[param])
+        p.add_argument(f"--{param.replace('_', '-')}", dest=param, default=defaults[param], type=kind,
+                       help=f"the task's {param} (default: %(default)s)")
     a = p.parse_args(argv)
+    if a.size < 0:
+        p.error(f"--size must be >= 0 (0: all of {a.set}), got {a.size}")
     task, _ = tasks.split_of(a.set)
-    if a.size < (1 if task.name == "arithmetic" else 0):
-        p.error(f"--size must be >= {1 if task.name == 'arithmetic' else 0} for {a.set}, got {a.size}")
-    cfg = EvalConfig(gsm8k_size=a.size if task.name == "gsm8k" else -1, arithmetic_size=a.size,
-                     max_new_tokens=a.max_new_tokens)
-    fields = GRPOConfig(stage="evaluate", model="-", arithmetic_ops=a.arithmetic_ops, arithmetic_min=a.arithmetic_min,
-                        arithmetic_max=a.arithmetic_max, gsm8k_source=a.gsm8k_source)
+    fields = GRPOConfig(stage="evaluate", model="-", task=task.name, **{q: getattr(a, q) for q in task.params})
     params = task.params_of(fields)
-    rows = eval_sets(cfg, {task.name: params})[a.set]
+    rows = test_items(task, params, a.size or None)
     model, tok = load_policy(a.model)
     torch.manual_seed(0)
-    res = greedy_results(model, tok, rows, max_new_tokens=a.max_new_tokens, grade=task.grade)
+    res = greedy_results(model, tok, rows, max_new_tokens=a.max_new_tokens, grade=task.grade,
+                         stop_loops=not a.keep_loops)
     print(json.dumps({"set": a.set, "data": task.identity("test", **params)["source"], **summarize(res)}))
 
 

@@ -21,7 +21,7 @@ from grpo_core.pipeline_config import PipelineConfig
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 RESUME_CHAIN = "resume_chain.json"  # in a training step's storage: the earlier attempts it resumes from
-ITEM_COLUMNS = ("item_id", "correct", "gold", "truncated", "completion")  # per-item evaluation table
+ITEM_COLUMNS = ("item_id", "correct", "gold", "truncated", "looped", "completion")  # per-item evaluation table
 
 
 @dataclass(frozen=True)
@@ -293,6 +293,7 @@ def log_evaluation(ctx: RunContext, results: list[dict], datasets: dict) -> None
                 t.log({f"{prefix}/accuracy": s["accuracy"], f"{prefix}/ci_low": s["ci_low"],
                        f"{prefix}/ci_high": s["ci_high"], f"{prefix}/n": s["n"],
                        f"{prefix}/truncated_frac": s.get("truncated_frac", 0.0),
+                       f"{prefix}/looped_frac": s.get("looped_frac", 0.0),
                        **{f"{prefix}/vs_start_{k}": vs[k] for k in ("delta", "p_value") if k in vs}}, step=0)
                 t.log_dict(r["items"][name], f"eval/{r['stage']}/items_{name}.json")
                 t.log_table({k: [i.get(k) for i in r["items"][name]] for k in ITEM_COLUMNS},
@@ -365,14 +366,14 @@ def _p(value) -> str:
 
 
 def summary_table(results: list[dict], curriculum: dict, gsm8k: dict, registry: dict) -> str:
-    """A plain-text table: every stage's held-out accuracy with its 95% interval, the share of
-    answers cut by the generation cap, and the change against the start model and against the
-    stage before, each with its exact McNemar p on the same items."""
+    """A plain-text table: every stage's held-out accuracy with its 95% interval, the shares of
+    answers cut by the generation cap and stopped as verbatim loops, and the change against the
+    start model and against the stage before, each with its exact McNemar p on the same items."""
     sets = list(results[0]["summary"])
     lines = []
     for name in sets:
         lines.append(f"{name} (greedy, same {results[0]['summary'][name]['n']} items for every stage)")
-        lines.append(f"  {'stage':<12}{'accuracy [95% CI]':>26}{'cut':>7}{'vs start':>10}{'McNemar p':>11}"
+        lines.append(f"  {'stage':<12}{'accuracy [95% CI]':>26}{'cut':>7}{'looped':>8}{'vs start':>10}{'McNemar p':>11}"
                      f"{'vs previous':>13}{'McNemar p':>11}")
         for r in results:
             x = r["summary"][name]
@@ -380,7 +381,7 @@ def summary_table(results: list[dict], curriculum: dict, gsm8k: dict, registry: 
                              for vs, w in ((r.get("vs_start", {}).get(name), 10),
                                            (r.get("vs_previous", {}).get(name), 13)))
             lines.append(f"  {r['stage']:<12}{x['accuracy']:>9.3f} [{x['ci_low']:.3f}, {x['ci_high']:.3f}]"
-                         f"{x.get('truncated_frac', 0.0):>7.1%}{paired}")
+                         f"{x.get('truncated_frac', 0.0):>7.1%}{x.get('looped_frac', 0.0):>8.1%}{paired}")
     for name, st in (("curriculum", curriculum), ("gsm8k", gsm8k)):
         last, trend = st.get("last", {}), st.get("reward_trend")
         interval = ("too few iterations for an interval" if not trend or math.isnan(trend["ci_low"])

@@ -10,6 +10,7 @@ import torch
 from transformers import GenerationConfig
 
 from grpo_core import decode
+from grpo_core.loops import LoopRule
 from grpo_core.types import RolloutBatch
 
 
@@ -72,12 +73,14 @@ def completion_mask(completion_ids: torch.Tensor, eos_id) -> tuple[torch.Tensor,
 def generate_rollouts(model, tok, rows: list[dict], group_size: int, *, temperature: float,
                       top_p: float, top_k: int, max_new_tokens: int, max_prompt_tokens: int,
                       greedy: bool = False, engine: str = "auto", sampler: str = "inverse_cdf",
-                      system_prompt: str | None = None) -> RolloutBatch:
+                      system_prompt: str | None = None, stop_loops: bool = False) -> RolloutBatch:
     """Sample ``group_size`` completions for each row (group-contiguous).
 
     engine: "auto" (the shared-prefix decoder where ``decode.fast_decode_supported``, else
     generate), "decoder" (insist on it) or "generate". sampler: the decoder's
-    (``decode.sample_shared_prefix``). system_prompt: see ``render_prompts``.
+    (``decode.sample_shared_prefix``). system_prompt: see ``render_prompts``. stop_loops: the
+    decoder stops a row once it loops verbatim (``loops.LoopRule``); generate runs such rows to
+    the cap (``loops.looped`` flags them either way).
     """
     if engine not in ("auto", "decoder", "generate"):
         raise ValueError(f"engine must be 'auto', 'decoder' or 'generate', got {engine!r}")
@@ -92,7 +95,8 @@ def generate_rollouts(model, tok, rows: list[dict], group_size: int, *, temperat
     stop = stop_token_ids(model, tok)
     if fast:
         comp = decode.sample_shared_prefix(model, ids, mask, group_size, max_new_tokens=max_new_tokens,
-                                           eos_id=stop, pad_id=tok.pad_token_id, sampler=sampler, **sampling)
+                                           eos_id=stop, pad_id=tok.pad_token_id, sampler=sampler,
+                                           loop_rule=LoopRule() if stop_loops else None, **sampling)
     else:
         comp = _generate(model, ids, mask, group_size, max_new_tokens, stop, tok.pad_token_id, **sampling)
     ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # [B, P]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_core import dist, engines, lora, sharding, storage
+from grpo_core import dist, engines, lora, sharding, storage, tasks
 from grpo_core.algorithm import group_advantages, informative_mask, masked_mean, std_from_moments
 from grpo_core.config import ConfigError
 from grpo_core.data import PromptStream, eval_rows, train_rows
@@ -322,12 +322,14 @@ class Trainer:
                                  timings=self.timings, dynamic=roll if self.cfg.dynamic_sampling else None)
 
     def evaluate(self) -> float:
-        """Greedy accuracy on the validation subset, sharded across ranks."""
+        """Greedy accuracy on the validation subset, sharded across ranks, graded by the task's
+        grader (looping answers stop early, as in the final evaluation)."""
         rows = self.eval_rows[self.info.rank::self.info.world_size]
         with self._forward_only():
             res = greedy_results(self.model, self.tok, rows, max_new_tokens=self.cfg.eval_max_new_tokens
                                  or self.cfg.max_new_tokens, max_prompt_tokens=self.cfg.max_prompt_tokens,
-                                 system_prompt=self.cfg.system_prompt, engine=self.engine)
+                                 system_prompt=self.cfg.system_prompt, engine=self.engine,
+                                 grade=tasks.task(self.cfg.task).grade)
         right, total = dist.all_reduce_sum([sum(r["correct"] for r in res), len(res)], self.info.device)
         return right / max(total, 1)
 

@@ -49,16 +49,17 @@ def evaluation_results() -> list[dict]:
     from grpo_core.evaluate import summarize
     from grpo_core.pipeline import paired_with_start
 
-    def items(name, n, right, cut=()):
+    def items(name, n, right, cut=(), loops=()):
         return [{"item_id": f"{name}:{k}", "correct": k in right, "gold": str(k * 2),
                  "completion": LONG if k == 1 else f"<answer>{k * 2 if k in right else -1}</answer>",
-                 "truncated": k in cut} for k in range(n)]
+                 "truncated": k in cut, "looped": k in loops} for k in range(n)]
 
     results = []
-    stages = (("sft", {0, 5}, {1, 2}), ("curriculum", {0, 1, 5, 6}, {2}), ("gsm8k", {0, 1, 2, 5, 6}, ()))
-    for stage, right, cut in stages:
-        it = {"arithmetic_test": items("arithmetic_test", 16, right | {10, 11}, cut),
-              "gsm8k_test": items("gsm8k_test", 8, right, cut)}
+    stages = (("sft", {0, 5}, {1, 2}, {3}), ("curriculum", {0, 1, 5, 6}, {2}, ()),
+              ("gsm8k", {0, 1, 2, 5, 6}, (), ()))
+    for stage, right, cut, loops in stages:
+        it = {"arithmetic_test": items("arithmetic_test", 16, right | {10, 11}, cut, loops),
+              "gsm8k_test": items("gsm8k_test", 8, right, cut, loops)}
         results.append({"stage": stage, "model_uri": f"/m/{stage}", "items": it,
                         "summary": {k: summarize(v) for k, v in it.items()}})
     return paired_with_start(results)

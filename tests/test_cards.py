@@ -166,14 +166,14 @@ def test_evaluation_card_pairs_every_stage_with_the_start_model_on_the_same_item
     tables = card.of_type("table")
     assert len(tables) == 4  # per set: the stage table and the answers
     stage_table = tables[0]
-    assert stage_table["columns"][:7] == ["stage", "accuracy [95% CI]", "correct / n", "cut off", "vs sft",
-                                          "McNemar p", "gained / lost"]
+    assert stage_table["columns"][:8] == ["stage", "accuracy [95% CI]", "correct / n", "cut off", "looped",
+                                          "vs sft", "McNemar p", "gained / lost"]
     rows = {r[0]: r for r in stage_table["data"]}
-    assert rows["sft"][1:5] == ["0.250 [0.102, 0.495]", "4 / 16", "12.5%", "start model"]
-    assert rows["curriculum"][3:] == ["6.2%", "+0.125", "0.5", "+2 / −0", "+0.125", "0.5"]  # before: the start
-    assert rows["gsm8k"][4:7] == ["+0.188", "0.25", "+3 / −0"]
-    assert stage_table["columns"][7:] == ["vs stage before", "McNemar p"]
-    assert rows["gsm8k"][7] == "+0.062"  # against the curriculum stage: one more item right
+    assert rows["sft"][1:6] == ["0.250 [0.102, 0.495]", "4 / 16", "12.5%", "6.2%", "start model"]
+    assert rows["curriculum"][3:] == ["6.2%", "0.0%", "+0.125", "0.5", "+2 / −0", "+0.125", "0.5"]  # before: the start
+    assert rows["gsm8k"][5:8] == ["+0.188", "0.25", "+3 / −0"]
+    assert stage_table["columns"][8:] == ["vs stage before", "McNemar p"]
+    assert rows["gsm8k"][8] == "+0.062"  # against the curriculum stage: one more item right
     answers = [[cell(c) for c in r] for r in tables[1]["data"]]
     assert [r[2] for r in answers] == ["sft", "curriculum", "gsm8k"] * 3  # the same items for every stage
     disagreements = ["arithmetic_test:1", "arithmetic_test:2", "arithmetic_test:6"]
@@ -193,7 +193,7 @@ def test_evaluation_card_without_paired_results_or_items():
     cards.stage_table_card(card, results)
     tables = card.of_type("table")
     assert len(tables) == 2  # no answers tables without items
-    assert tables[0]["data"][1] == ["curriculum", "0.375 [0.185, 0.614]", "16", "–", "–", "–", "–", "–", "–"]
+    assert tables[0]["data"][1] == ["curriculum", "0.375 [0.185, 0.614]", "16", "–", "–", "–", "–", "–", "–", "–"]
 
 
 def test_registry_card_shows_the_decision():

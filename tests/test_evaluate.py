@@ -65,3 +65,22 @@ def test_gsm8k_gets_its_own_generation_cap():
     e = EvalConfig(max_new_tokens=128, gsm8k_max_new_tokens=384)
     assert (e.budget("arithmetic_test"), e.budget("gsm8k_test")) == (128, 384)
     assert EvalConfig(max_new_tokens=96).budget("gsm8k_test") == 96
+
+
+def test_the_cli_evaluates_any_registered_task_with_its_params(tiny, capsys):
+    """`python -m grpo_core.evaluate`: --set choices and the data flags come from the task registry."""
+    import json
+
+    from grpo_core import tasks
+    from grpo_core.evaluate import main
+
+    main(["--model", str(tiny), "--set", "arithmetic_test", "--size", "7", "--max-new-tokens", "6",
+          "--arithmetic-max", "30"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["set"] == "arithmetic_test" and out["n"] == 7
+    assert {"accuracy", "truncated_frac", "looped_frac"} <= set(out)
+    params = {"arithmetic_ops": "+-*", "arithmetic_min": 0, "arithmetic_max": 30}
+    assert out["data"] == tasks.task("arithmetic").identity("test", **params)["source"]
+    with pytest.raises(SystemExit):
+        main(["--model", str(tiny), "--set", "nonexistent_test"])
+    assert "gsm8k_test" in capsys.readouterr().err  # the choices named come from tasks.registry()

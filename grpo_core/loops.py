@@ -1,0 +1,85 @@
+"""Verbatim loops in greedy completions: when an answer is already repeating itself.
+
+A small model's greedy answer often falls into a cycle ("She has 5 apples. She has 5 apples.
+...") that it keeps repeating until the generation cap. Under greedy decoding such a cycle almost
+never ends by itself, so every extra token spends time without changing the answer. An
+evaluation therefore stops a row once its tail is a verbatim loop, and reports it as *looped*,
+apart from the answers the cap *cut* while they were still going somewhere: only the second
+share says whether the cap is too small.
+
+The rule (``LoopRule``): the last ``span`` tokens repeat with a period ``p <= max_period``
+(token t equals token t - p throughout) at least ``min_repeats`` times, and ``span >=
+min_span``. With the defaults a period-1 loop needs 64 identical tokens and a 40-token sentence
+needs 3 copies (120 tokens): legitimate answers that repeat a short pattern ("1 + 1 + 1") a few
+times are not loops.
+
+``looped`` applies the rule to finished completions; ``LoopTracker`` applies the same rule
+incrementally, one decode step at a time, so a decoder can stop a row at the first token where
+``looped`` would say yes. Both are pure tensor functions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoopRule:
+    """When a completion's tail counts as a verbatim loop (see the module docstring)."""
+
+    min_repeats: int = 3
+    min_span: int = 64
+    max_period: int = 96
+
+    def periods(self, device=None) -> torch.Tensor:
+        return torch.arange(1, self.max_period + 1, device=device)                # [K]
+
+    def needed_runs(self, device=None) -> torch.Tensor:
+        """Per period p, how many consecutive tokens must equal the token p before them: the
+        looped tail is that run plus one period."""
+        p = self.periods(device)
+        return torch.maximum((self.min_repeats - 1) * p, self.min_span - p)       # [K]
+
+
+def looped(tokens: torch.Tensor, lengths: torch.Tensor, rule: LoopRule = LoopRule()) -> torch.Tensor:
+    """Rows of ``tokens`` [B, T] whose first ``lengths`` [B] tokens (the answer before its stop
+    token) end in, or pass through, a verbatim loop: bool [B]. "Pass through" matters for a
+    decoder that stopped the row there (``LoopTracker``): the rule held at its last token."""
+    B, T = tokens.shape
+    out = torch.zeros(B, dtype=torch.bool, device=tokens.device)
+    pos = torch.arange(T, device=tokens.device)                                   # [T]
+    inside = pos[None] < lengths[:, None]                                         # [B, T]
+    for p, need in zip(rule.periods().tolist(), rule.needed_runs().tolist()):
+        if p >= T:
+            break
+        eq = torch.zeros_like(inside)
+        eq[:, p:] = (tokens[:, p:] == tokens[:, :-p]) & inside[:, p:]             # [B, T]
+        last_break = torch.where(~eq, pos, -1).cummax(-1).values                  # [B, T]
+        out |= ((pos - last_break) >= need).any(-1)
+    return out
+
+
+class LoopTracker:
+    """``looped``'s rule one step at a time: per row and period, the run of tokens equal to the
+    token one period back. ``step`` costs a few [b, max_period] tensor ops, negligible beside a
+    decode step's forward."""
+
+    def __init__(self, rows: int, rule: LoopRule, device):
+        self.periods = rule.periods(device)                                       # [K]
+        self.need = rule.needed_runs(device)                                      # [K]
+        self.runs = torch.zeros(rows, len(self.periods), dtype=torch.long, device=device)  # [B, K]
+
+    def step(self, tokens: torch.Tensor, rows: torch.Tensor, t: int) -> torch.Tensor:
+        """``tokens`` [B, T] holds every row's tokens up to step ``t`` (this step's included);
+        ``rows`` [b] are the rows still decoded (this tracker's rows, in order). Returns bool [b]:
+        the rule holds at step t."""
+        back = t - self.periods                                                   # [K]
+        prev = tokens[rows[:, None], back.clamp(min=0)[None]]                     # [b, K]
+        eq = (prev == tokens[rows, t][:, None]) & (back >= 0)[None]
+        self.runs = (self.runs + 1) * eq
+        return (self.runs >= self.need).any(-1)
+
+    def keep(self, keep: torch.Tensor) -> None:
+        """Follow the decoder's compaction: keep only rows ``keep`` [b']."""
+        self.runs = self.runs[keep]
