@@ -28,8 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 RESULTS = ROOT / "benchmarks" / "results"
-SIDES = {"ddp": {}, "fsdp2": {"parallelism": "fsdp2"},  # whole rank batch per backward, or one group:
-         "ddp+mb1": {"micro_batch_groups": 1}, "fsdp2+mb1": {"parallelism": "fsdp2", "micro_batch_groups": 1}}
+SIDES = {"ddp": {}, "fsdp2": {"execution": {"parallelism": "fsdp2"}},  # whole rank batch per backward, or one group:
+         "ddp+mb1": {"execution": {"micro_batch_groups": 1}},
+         "fsdp2+mb1": {"execution": {"parallelism": "fsdp2", "micro_batch_groups": 1}}}
 
 
 def worker(args) -> None:
@@ -51,7 +52,7 @@ def worker(args) -> None:
             yield
 
     sharding.gathered = timed_gather
-    overrides = {"lr": 1e-5, "reward_fn": "grpo_core.rewards:gsm8k_correctness", **SIDES[args.worker]}
+    overrides = {"optim": {"lr": 1e-5}, "reward_fn": "grpo_core.rewards:gsm8k_correctness", **SIDES[args.worker]}
     holder = {}
     import grpo_core.trainer as trainer_module
     real_update = trainer_module.Trainer.update

@@ -137,19 +137,20 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
 
     from grpo_core import dist
     from grpo_core.config import GRPOConfig
+    from grpo_core.pipeline_config import deep_merge
     from grpo_core.trainer import TIMED_PHASES, Trainer, iteration_seed
 
     out_dir = tempfile.mkdtemp(prefix="bench_ours_")
     settings = dict(overrides or {})
     reward_fn = settings.pop("reward_fn", REWARD_FN)
-    cfg = GRPOConfig(**{**dict(
-        model=model_dir, task="arithmetic", rewards=[{"fn": reward_fn, "weight": 1.0}],
-        group_size=spec["group_size"], prompts_per_iter=spec["prompts"],
-        iterations=iters + warmup, max_new_tokens=spec["max_new_tokens"], beta=COMMON["beta"],
-        lr=COMMON["lr"], temperature=COMMON["temperature"], top_k=COMMON["top_k"],
-        top_p=COMMON["top_p"], clip_low=COMMON["clip"], max_grad_norm=COMMON["max_grad_norm"],
-        loss_type=COMMON["loss_type"], mu=1, seed=COMMON["seed"], output_dir=out_dir,
-        compile_scoring=compile_scoring), **settings})
+    cfg = GRPOConfig(**deep_merge(dict(
+        task="arithmetic", rewards=[{"fn": reward_fn, "weight": 1.0}], prompts_per_iter=spec["prompts"],
+        iterations=iters + warmup, seed=COMMON["seed"], runtime=dict(model=model_dir, output_dir=out_dir),
+        sampling=dict(group_size=spec["group_size"], max_new_tokens=spec["max_new_tokens"],
+                      temperature=COMMON["temperature"], top_k=COMMON["top_k"], top_p=COMMON["top_p"]),
+        loss=dict(type=COMMON["loss_type"], beta=COMMON["beta"], clip_low=COMMON["clip"]),
+        optim=dict(lr=COMMON["lr"], max_grad_norm=COMMON["max_grad_norm"], mu=1),
+        execution=dict(compile_scoring=compile_scoring)), settings))
     trainer = Trainer(cfg, dist.init())
     rows = []
     for it in range(1, iters + warmup + 1):  # the body of Trainer.run without checkpoints / eval

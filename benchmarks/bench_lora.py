@@ -35,7 +35,7 @@ PHASES = ("time_generate", "time_reward", "time_ref", "time_update")  # metrics.
 # usual LoRA rule; rank 16 on every linear layer)
 VARIANTS = {
     "full": {},
-    "lora": {"lora": {"rank": 16, "alpha": 32.0}, "lr": 1e-4},
+    "lora": {"lora": {"rank": 16, "alpha": 32.0}, "optim": {"lr": 1e-4}},
 }
 
 

@@ -33,14 +33,14 @@ SHAPE = dict(group_size=8, prompts=8, max_new_tokens=48)
 # name -> trainer settings changed from the defaults (what the variant measures)
 VARIANTS = {
     "default": {},
-    "mb2": {"micro_batch_groups": 2},
-    "mb1": {"micro_batch_groups": 1},
-    "ckpt": {"gradient_checkpointing": True},
-    "mb2+ckpt": {"micro_batch_groups": 2, "gradient_checkpointing": True},
-    "beta0": {"beta": 0.0},
+    "mb2": {"execution": {"micro_batch_groups": 2}},
+    "mb1": {"execution": {"micro_batch_groups": 1}},
+    "ckpt": {"execution": {"gradient_checkpointing": True}},
+    "mb2+ckpt": {"execution": {"micro_batch_groups": 2, "gradient_checkpointing": True}},
+    "beta0": {"loss": {"beta": 0.0}},
     # LoRA as bench_lora.py trains it (rank 16 on all linear layers; adapters take a 10x larger lr)
-    "lora": {"lora": {"rank": 16, "alpha": 32.0}, "lr": 1e-4},
-    "lora+mb1": {"lora": {"rank": 16, "alpha": 32.0}, "lr": 1e-4, "micro_batch_groups": 1},
+    "lora": {"lora": {"rank": 16, "alpha": 32.0}, "optim": {"lr": 1e-4}},
+    "lora+mb1": {"lora": {"rank": 16, "alpha": 32.0}, "optim": {"lr": 1e-4}, "execution": {"micro_batch_groups": 1}},
 }
 
 
@@ -81,7 +81,7 @@ def worker(args) -> dict:
     from bench_grpo import run_ours
 
     torch.set_num_threads(args.threads)
-    overrides = {"lr": 1e-5, "reward_fn": "grpo_core.rewards:gsm8k_correctness", **VARIANTS[args.worker]}
+    overrides = {"optim": {"lr": 1e-5}, "reward_fn": "grpo_core.rewards:gsm8k_correctness", **VARIANTS[args.worker]}
     rows = run_ours(SHAPE, args.model_dir, args.iters, args.warmup, overrides=overrides)
     kept = rows[args.warmup:] or rows
     med = lambda k: round(statistics.median(r[k] for r in kept), 2)  # noqa: E731

@@ -123,10 +123,12 @@ def fixed_batch(n_groups: int, G: int, P: int = 6, T: int = 7, vocab: int = 60,
 
 def trainer_for(model_dir: str, out: str, info, **over):
     from grpo_core.config import GRPOConfig
+    from grpo_core.pipeline_config import deep_merge
     from grpo_core.trainer import Trainer
 
-    fields = dict(beta=0.04, lr=1e-2, group_size=4, prompts_per_iter=2, max_grad_norm=0.0)
-    cfg = GRPOConfig(model=model_dir, output_dir=out, **{**fields, **over})
+    fields = dict(loss=dict(beta=0.04), optim=dict(lr=1e-2, max_grad_norm=0.0), sampling=dict(group_size=4),
+                  prompts_per_iter=2, runtime=dict(model=model_dir, output_dir=out))
+    cfg = GRPOConfig(**deep_merge(fields, over))
     return Trainer(cfg, info)
 
 
@@ -192,14 +194,15 @@ def correctness(dev, tmp: str, vocab: int) -> dict:
     assert groups_share_prompts(batch) and len(length_chunks(batch.completion_mask.sum(-1).tolist())) > 1
     got = {}
     for d in (dev, torch.device("cpu")):
-        tr = trainer_for(model_dir, f"{tmp}/upd_{d.type}", dist.DistInfo(0, 1, 0, d), group_size=8)
+        tr = trainer_for(model_dir, f"{tmp}/upd_{d.type}", dist.DistInfo(0, 1, 0, d), sampling={"group_size": 8})
         tr.update(copy.deepcopy(batch))
         got[d.type] = grads(tr.model)
     ok, worst = close_grads(got[dev.type], got["cpu"])
     check("Trainer.update gradients, device vs CPU", ok, f"(worst rel diff {worst:.1e})")
     res["trainer_update_worst_rel_grad_diff"] = worst
     # precision = "bf16" (autocast, float32 weights) on the device vs the fp32 update there
-    tr = trainer_for(model_dir, f"{tmp}/upd_bf16", dist.DistInfo(0, 1, 0, dev), group_size=8, precision="bf16")
+    tr = trainer_for(model_dir, f"{tmp}/upd_bf16", dist.DistInfo(0, 1, 0, dev), sampling={"group_size": 8},
+                     execution={"precision": "bf16"})
     tr.update(copy.deepcopy(batch))
     cos = cosine(grads(tr.model), got[dev.type])
     check("Trainer.update precision=bf16 vs fp32 on the device", cos > 0.999 and all(
@@ -228,8 +231,8 @@ def lora_checks(dev, tmp: str, model_dir: str, batch: RolloutBatch) -> dict:
     and bf16 vs fp32 on the device."""
     lora = {}
     for d, prec in ((dev, "fp32"), (torch.device("cpu"), "fp32"), (dev, "bf16")):
-        tr = trainer_for(model_dir, f"{tmp}/lora_{d.type}_{prec}", dist.DistInfo(0, 1, 0, d), group_size=8,
-                         precision=prec, lora={"rank": 4, "alpha": 8.0})
+        tr = trainer_for(model_dir, f"{tmp}/lora_{d.type}_{prec}", dist.DistInfo(0, 1, 0, d),
+                         sampling={"group_size": 8}, execution={"precision": prec}, lora={"rank": 4, "alpha": 8.0})
         tr.update(copy.deepcopy(batch))
         lora[d.type, prec] = grads(tr.model)
     ok, worst = close_grads(lora[dev.type, "fp32"], lora["cpu", "fp32"])
@@ -426,7 +429,7 @@ def fsdp2_grads(model_dir: str, tmp: str, info, full: RolloutBatch, rows, precis
     directly, scoring all of ``full`` through FSDP's root (``direct_grads``' loss)."""
     if info.world_size > 1:
         tr = trainer_for(model_dir, f"{tmp}/fsdp-{precision}{info.rank}", info, prompts_per_iter=2 * info.world_size,
-                         parallelism="fsdp2", precision=precision)
+                         execution={"parallelism": "fsdp2", "precision": precision})
         tr.update(full.select_groups(rows))
         model = tr.model
     else:

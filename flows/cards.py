@@ -19,7 +19,7 @@ PANELS = {
     "informative_frac": "informative fraction (groups with reward spread)",
     "kl": "KL to the reference (k3)",
     "completion_len": "completion length (tokens)",
-    "truncated_frac": "truncated fraction (hit max_new_tokens)",
+    "truncated_frac": "truncated fraction (hit sampling.max_new_tokens)",
     "entropy": "entropy (per token)",
     "eval_accuracy": "eval accuracy (greedy, validation)",
 }

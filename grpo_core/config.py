@@ -10,14 +10,12 @@ allowed names/values and the fix; ``__post_init__`` checks ranges and combinatio
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 
 from grpo_core import engines, tasks
+from grpo_core.config_checks import at_least, check_arithmetic, check_choice, from_dict, non_negative, positive, require
 
 SCALES = ("group", "batch", "none")
 SAMPLERS = ("inverse_cdf", "multinomial")
@@ -31,83 +29,12 @@ METRICS_FILE = "metrics.jsonl"  # in a stage's output_dir: one JSON line per ite
 DEFAULT_REWARDS = ({"fn": "grpo_core.rewards:gsm8k_correctness", "weight": 1.0},)
 
 
-class ConfigError(ValueError):
-    """A bad config value; the message names the field and the fix."""
-
-
-def _check_type(where: str, name: str, value, hint):
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        if any(_matches(value, a) for a in typing.get_args(hint)):
-            return
-    elif _matches(value, hint):
-        return
-    raise ConfigError(f"{where}.{name} = {value!r} has type {type(value).__name__}; expected {hint}")
-
-
-def _matches(value, hint) -> bool:
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    origin = typing.get_origin(hint) or hint
-    return isinstance(value, origin)
-
-
-def from_dict(cls, data: dict, where: str):
-    """Build dataclass ``cls`` from ``data``, naming any unknown or mistyped field."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a table/dict, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-    for key in data:
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"unknown field {where}.{key}.{hint} Allowed fields: {', '.join(names)}")
-    kwargs = {}
-    for name in names:
-        if name not in data:
-            continue
-        value = data[name]
-        if dataclasses.is_dataclass(hints[name]):
-            value = from_dict(hints[name], value, f"{where}.{name}")
-        else:
-            _check_type(where, name, value, hints[name])
-            if hints[name] is float or (typing.get_origin(hints[name]) in (typing.Union, types.UnionType)
-                                        and float in typing.get_args(hints[name]) and isinstance(value, int)):
-                value = float(value)
-        kwargs[name] = value
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # a required field is missing
-        raise ConfigError(f"{where}: {exc}") from exc
-
-
-def require(cond: bool, where: str, msg: str):
-    if not cond:
-        raise ConfigError(f"{where}: {msg}")
-
-
 def loss_type_names() -> tuple[str, ...]:
     """The loss entries' names. Imported when a stage config is validated, not at module load, so
     that parsing a config (the flow's command line) does not import torch."""
     from grpo_core.losses import LOSS_TYPES
 
     return tuple(LOSS_TYPES)
-
-
-def check_choice(value, allowed, where):
-    require(value in allowed, where, f"{value!r} is not allowed; use one of {', '.join(map(str, allowed))}")
-
-
-def check_arithmetic(ops: str, lo: int, hi: int, where: str):
-    """The arithmetic task's operators and operand range (GRPO stages and the bootstrap SFT)."""
-    require(lo <= hi, f"{where}.arithmetic_min", "must be <= arithmetic_max")
-    require(bool(ops) and set(ops) <= set("+-*"), f"{where}.arithmetic_ops",
-            f"{ops!r}: use a non-empty subset of '+-*'")
 
 
 @dataclass
@@ -139,13 +66,237 @@ class LoraSettings:
 
 
 @dataclass
-class GRPOConfig:
-    """One GRPO stage (the curriculum and GSM8K stages each get one)."""
+class SamplingSettings:
+    """How rollouts are drawn (a stage's ``[<stage>.sampling]`` table)."""
+
+    group_size: int = 8
+    """G: completions sampled per prompt; the group's mean/std is the baseline."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are scored at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus filter; keep 1.0 so sampling matches the full-softmax log-probs."""
+    top_k: int = 0
+    """Top-k filter; 0 disables it (transformers' default of 50 would bias the loss)."""
+    max_new_tokens: int = 32
+    """Completion length cap; completions that hit it count as truncated."""
+    max_prompt_tokens: int = 512
+    """Prompts longer than this are an error naming the row (never silently cut)."""
+    sampler: str = "inverse_cdf"
+    """How the shared-prefix decoder draws a token: inverse_cdf (one uniform number per row, the
+    faster) | multinomial (torch.multinomial, generate's: the same tokens as generate for a seed).
+    Both draw from the same distribution; models on the generate fallback always use multinomial."""
+    rollout_engine: str = "auto"
+    """What samples the rollouts, one entry of `engines.ENGINES`: auto (the shared-prefix decoder
+    where the model supports it, else transformers' generate) | decoder (insist on the decoder) |
+    generate (always generate)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop all-equal groups and draw more prompts to refill."""
+    max_resample_rounds: int = 3
+    """Cap on extra sampling rounds per iteration with dynamic sampling."""
+
+    def check(self, w: str) -> None:
+        w = f"{w}.sampling"
+        check_choice(self.sampler, SAMPLERS, f"{w}.sampler")
+        check_choice(self.rollout_engine, tuple(engines.ENGINES), f"{w}.rollout_engine")
+        require(self.group_size >= 2, f"{w}.group_size", f"{self.group_size} < 2: a group needs at least "
+                "two samples for a baseline; set group_size >= 2")
+        at_least(self, w, 1, "max_new_tokens", "max_prompt_tokens")
+        at_least(self, w, 0, "top_k", "max_resample_rounds")
+        positive(self, w, "temperature", "top_p")
+        require(self.top_p <= 1.0, f"{w}.top_p", f"must be <= 1.0, got {self.top_p}")
+
+
+@dataclass
+class LossSettings:
+    """The policy loss and its advantages (a stage's ``[<stage>.loss]`` table)."""
+
+    type: str = "dapo"
+    """The policy loss, one entry of `losses.LOSS_TYPES`: grpo | bnpo | dapo | dr_grpo (PPO clip per
+    token, four aggregations), gspo (one clipped ratio per sequence), cispo (clipped, detached IS
+    weight per token). The objective section of README.md has each one's formula and paper."""
+    beta: float = 0.04
+    """KL coefficient (k3 estimator, per token); 0 skips the reference model entirely."""
+    clip_low: float = 0.2
+    """Clip epsilon below 1 (the ratio's lower bound is 1 - clip_low; for cispo, the IS weight's)."""
+    clip_high: float | None = None
+    """Clip epsilon above 1 (DAPO clip-higher); None means clip_low."""
+    scale: str = "group"
+    """Advantage scale: group std | batch std | none (Dr. GRPO)."""
+    adv_eps: float = 1e-4
+    """Epsilon added to the std in the advantage denominator."""
+    mask_truncated: bool = False
+    """Exclude completions that hit sampling.max_new_tokens from the loss."""
+
+    def check(self, w: str) -> None:
+        w = f"{w}.loss"
+        check_choice(self.type, loss_type_names(), f"{w}.type")
+        check_choice(self.scale, SCALES, f"{w}.scale")
+        non_negative(self, w, "beta", "clip_low", "adv_eps")
+        require(self.clip_high is None or (math.isfinite(self.clip_high) and self.clip_high >= 0),
+                f"{w}.clip_high", f"must be a finite number >= 0 or omitted (= clip_low), got {self.clip_high}")
+
+
+@dataclass
+class OptimSettings:
+    """AdamW and how often it steps per rollout batch (a stage's ``[<stage>.optim]`` table)."""
+
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_iters: int = 0
+    """Linear learning-rate warm-up iterations (iterations, not optimizer steps: with mu > 1 every
+    update of an iteration uses that iteration's rate)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 disables clipping)."""
+    mu: int = 1
+    """Updates per rollout batch; 1 is on-policy (old log-probs = detached current ones)."""
+
+    def check(self, w: str) -> None:
+        w = f"{w}.optim"
+        positive(self, w, "lr")
+        non_negative(self, w, "weight_decay", "max_grad_norm")
+        at_least(self, w, 0, "warmup_iters")
+        require(self.mu >= 1, f"{w}.mu", f"must be >= 1 (updates per rollout batch), got {self.mu}")
+
+
+@dataclass
+class ExecutionSettings:
+    """How the stage runs on its hardware: precision, sharding, memory and time limits (a stage's
+    ``[<stage>.execution]`` table). None of these changes what is optimised."""
+
+    precision: str = "fp32"
+    """Matmul precision of rollouts, scoring, the update and in-stage evaluation: fp32 | bf16
+    (torch.autocast to bfloat16 with float32 weights, AdamW state, log-softmax and loss math:
+    TRL/accelerate's ``bf16=True``). bf16 is for GPUs with bfloat16 tensor cores (A100, H100, ...);
+    on CPU the casts cost more than they save at small sizes (benchmarks/NOTES.md). Sampling and
+    scoring then both see bf16 logits (~1e-2 from fp32's); the on-policy ratio is still exactly 1
+    (mu = 1)."""
+    parallelism: str = "ddp"
+    """How a multi-rank stage holds the policy: ddp (a full copy of weights, gradients and AdamW
+    state on every rank) | fsdp2 (``fully_shard`` per decoder layer plus the root: each rank holds
+    1/world of them; full weights are gathered for each rollout). fsdp2 needs >= 2 ranks and full
+    fine-tuning (not LoRA); its checkpoints are sharded (torch.distributed.checkpoint) and resume
+    on the same number of ranks."""
+    micro_batch_groups: int = 0
+    """Groups per forward/backward in the update (gradient accumulation within a rank's batch):
+    bounds activation memory by this many groups instead of the rank's whole batch, with the same
+    gradient (up to float rounding) and one optimizer step. 0: all of the rank's groups at once."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations during backward (transformers'
+    ``gradient_checkpointing_enable``, non-reentrant): the update keeps one layer's activations
+    instead of all of them, for about one more forward of compute. The update's forward then runs
+    prompt and completion together (as TRL does): a layer replayed in backward cannot share the
+    prompt's KV cache across the group. Sampling and the reference are unchanged."""
+    compile_scoring: bool = False
+    """torch.compile (dynamic shapes) the policy and reference forwards that score completions for
+    the loss (not the decoder). Pays on long runs only: the first iterations compile, in every
+    training process (figures: benchmarks/NOTES.md)."""
+    collective_timeout_s: float = 1800.0
+    """Seconds a rank waits for the others in one collective before the stage fails (instead of
+    hanging). Rank 0 alone saves and uploads checkpoints, and downloads the one to resume from,
+    while the other ranks wait in a barrier, so this must exceed the slowest such transfer.
+    torch's own defaults are 30 min on gloo but 10 min on nccl, shorter than a large model's
+    checkpoint upload to S3; this applies the same limit to both."""
+
+    def check(self, w: str) -> None:
+        w = f"{w}.execution"
+        check_choice(self.precision, PRECISIONS, f"{w}.precision")
+        check_choice(self.parallelism, PARALLELISMS, f"{w}.parallelism")
+        require(self.micro_batch_groups >= 0, f"{w}.micro_batch_groups",
+                f"must be >= 0 (0 = all of a rank's groups at once), got {self.micro_batch_groups}")
+        positive(self, w, "collective_timeout_s")
+
+
+@dataclass
+class ValidationSettings:
+    """Greedy accuracy on the task's validation split during the stage (``[<stage>.validation]``).
+    Validation is disjoint from training and from the test items the final evaluation reports
+    (``grpo_core.tasks``)."""
+
+    every: int = 0
+    """Measure every N iterations and at the end; 0: never (unless the gate reads
+    ``eval_accuracy``). It is the gate's ``eval_accuracy``."""
+    size: int = 100
+    """Validation items measured."""
+    max_new_tokens: int = 0
+    """Generation cap; 0 means sampling.max_new_tokens."""
+
+    def check(self, w: str) -> None:
+        at_least(self, f"{w}.validation", 1, "size")
+        at_least(self, f"{w}.validation", 0, "every", "max_new_tokens")
+
+
+@dataclass
+class GateSettings:
+    """Promotion gate: stop the stage early once a metric is good enough (``[<stage>.gate]``)."""
+
+    metric: str | None = None
+    """eval_accuracy | informative_frac | reward; unset: no gate, the stage runs all iterations."""
+    threshold: float = 1.0
+    """The value the metric must reach."""
+    patience: int = 1
+    """Consecutive measurements at or above the threshold needed to promote."""
+
+    def check(self, w: str, validation: ValidationSettings) -> None:
+        w = f"{w}.gate"
+        at_least(self, w, 1, "patience")
+        require(math.isfinite(self.threshold), f"{w}.threshold",
+                f"must be a finite number, got {self.threshold} (leave gate.metric unset for no gate)")
+        if self.metric is None:
+            return
+        check_choice(self.metric, GATE_METRICS, f"{w}.metric")
+        require(self.metric != "eval_accuracy" or validation.every > 0, f"{w}.metric",
+                "'eval_accuracy' is measured only with validation.every > 0; set validation.every")
+        require(self.metric not in FRACTION_METRICS or self.threshold <= 1, f"{w}.threshold",
+                f"{self.threshold} can never be reached: {self.metric} is a fraction (at most 1), so "
+                "the gate would never promote; use a threshold in [0, 1]")
+
+
+@dataclass
+class CheckpointSettings:
+    """How often the stage checkpoints, and how many it keeps (``[<stage>.checkpoint]``)."""
+
+    every: int = 10
+    """Checkpoint (and flush metrics to MLflow) every N iterations."""
+    keep: int = 2
+    """Complete checkpoints kept; older ones are deleted after a new one is verified."""
+
+    def check(self, w: str) -> None:
+        at_least(self, f"{w}.checkpoint", 1, "every", "keep")
+
+
+@dataclass
+class StageRuntime:
+    """What the flow fills in for each stage run; a stage table does not set these."""
 
     model: str = ""
     """Starting policy: hub id, local HF dir or s3:// URI."""
     stage: str = "grpo"
     """Stage name: used for metric prefixes, output dirs and MLflow child runs."""
+    output_dir: str = "outputs/grpo"
+    """Local working directory: metrics.jsonl, checkpoints, final model."""
+    sync_uri: str | None = None
+    """Storage URI (dir or s3://) where checkpoints and the final model are published."""
+    resume_from: list = field(default_factory=list)
+    """Storage URIs searched, in order, for the latest complete checkpoint to resume from."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI (rank 0 logs there)."""
+    tracking_run_id: str | None = None
+    """MLflow run id to log into (the stage's child run)."""
+
+
+GROUPS = {"sampling": SamplingSettings, "loss": LossSettings, "optim": OptimSettings,
+          "execution": ExecutionSettings, "validation": ValidationSettings, "gate": GateSettings,
+          "checkpoint": CheckpointSettings, "lora": LoraSettings}
+"""A stage's sub-tables, in the order the configuration reference lists them."""
+
+
+@dataclass
+class GRPOConfig:
+    """One GRPO stage (the curriculum and GSM8K stages each get one): what it trains on and for how
+    long at the top level, the rest in groups (``GROUPS``), plus the flow's ``runtime`` record."""
+
     task: str = "arithmetic"
     """Training prompts: a task of ``grpo_core/tasks`` ('arithmetic': generated problems; 'gsm8k':
     its train split)."""
@@ -165,201 +316,82 @@ class GRPOConfig:
     from free text (``#### N``, ``<answer>N</answer>``, "the answer is N", else the last number)."""
     rewards: list = field(default_factory=lambda: [dict(r) for r in DEFAULT_REWARDS])
     """Reward functions: [{fn = 'package.module:function', weight = 1.0}] (code execution!)."""
-    lora: LoraSettings = field(default_factory=LoraSettings)
-    """LoRA adapters instead of full fine-tuning (``[<stage>.lora]``; see ``LoraSettings``)."""
+    reward_timeout_s: float = 300.0
+    """Seconds one reward function may take for one batch before the stage stops with an error
+    naming it (a hung verifier would otherwise stall every rank forever); 0 disables the limit.
+    Enforced with SIGALRM in the main thread: Python code and blocking system calls are
+    interrupted, a C extension that never returns to Python is not."""
+    iterations: int = 20
+    """Rollout + update iterations in this stage (the most, if a promotion gate is set)."""
+    prompts_per_iter: int = 16
+    """Prompts per iteration across all ranks (must divide evenly across ranks)."""
+    seed: int = 0
+    """Seed for prompts, sampling and init; each iteration reseeds from (seed, iteration, rank)."""
+    sample_every: int = 10
+    """Log a table of sample completions every N iterations."""
     trust_remote_code: bool = False
     """Allow model code from the checkpoint; off unless you trust its source."""
     disable_dropout: bool = True
     """Zero the policy's and reference's dropout (as TRL's disable_dropout). With dropout on, sampling,
     old-policy scoring and the update each see a different random network: ratios, clipping and KL
     then measure dropout noise. Llama/Qwen2 have none; GPT-2-style checkpoints have 0.1."""
-    group_size: int = 8
-    """G: completions sampled per prompt; the group's mean/std is the baseline."""
-    prompts_per_iter: int = 16
-    """Prompts per iteration across all ranks (must divide evenly across ranks)."""
-    iterations: int = 20
-    """Rollout + update iterations in this stage (the most, if a promotion gate is set)."""
-    mu: int = 1
-    """Updates per rollout batch; 1 is on-policy (old log-probs = detached current ones)."""
-    micro_batch_groups: int = 0
-    """Groups per forward/backward in the update (gradient accumulation within a rank's batch):
-    bounds activation memory by this many groups instead of the rank's whole batch, with the same
-    gradient (up to float rounding) and one optimizer step. 0: all of the rank's groups at once."""
-    lr: float = 1e-4
-    """AdamW learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    warmup_iters: int = 0
-    """Linear learning-rate warm-up iterations (iterations, not optimizer steps: with mu > 1 every
-    update of an iteration uses that iteration's rate)."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm (0 disables clipping)."""
-    beta: float = 0.04
-    """KL coefficient (k3 estimator, per token); 0 skips the reference model entirely."""
-    clip_low: float = 0.2
-    """Clip epsilon below 1 (the ratio's lower bound is 1 - clip_low; for cispo, the IS weight's)."""
-    clip_high: float | None = None
-    """Clip epsilon above 1 (DAPO clip-higher); None means clip_low."""
-    loss_type: str = "dapo"
-    """The policy loss, one entry of `losses.LOSS_TYPES`: grpo | bnpo | dapo | dr_grpo (PPO clip per
-    token, four aggregations), gspo (one clipped ratio per sequence), cispo (clipped, detached IS
-    weight per token). The objective section of README.md has each one's formula and paper."""
-    scale: str = "group"
-    """Advantage scale: group std | batch std | none (Dr. GRPO)."""
-    adv_eps: float = 1e-4
-    """Epsilon added to the std in the advantage denominator."""
-    temperature: float = 1.0
-    """Sampling temperature; log-probs are scored at the same temperature."""
-    top_p: float = 1.0
-    """Nucleus filter; keep 1.0 so sampling matches the full-softmax log-probs."""
-    top_k: int = 0
-    """Top-k filter; 0 disables it (transformers' default of 50 would bias the loss)."""
-    sampler: str = "inverse_cdf"
-    """How the shared-prefix decoder draws a token: inverse_cdf (one uniform number per row, the
-    faster) | multinomial (torch.multinomial, generate's: the same tokens as generate for a seed).
-    Both draw from the same distribution; models on the generate fallback always use multinomial."""
-    rollout_engine: str = "auto"
-    """What samples the rollouts, one entry of `engines.ENGINES`: auto (the shared-prefix decoder
-    where the model supports it, else transformers' generate) | decoder (insist on the decoder) |
-    generate (always generate)."""
-    compile_scoring: bool = False
-    """torch.compile (dynamic shapes) the policy and reference forwards that score completions for
-    the loss (not the decoder). Pays on long runs only: the first iterations compile, in every
-    training process (figures: benchmarks/NOTES.md)."""
-    precision: str = "fp32"
-    """Matmul precision of rollouts, scoring, the update and in-stage evaluation: fp32 | bf16
-    (torch.autocast to bfloat16 with float32 weights, AdamW state, log-softmax and loss math:
-    TRL/accelerate's ``bf16=True``). bf16 is for GPUs with bfloat16 tensor cores (A100, H100, ...);
-    on CPU the casts cost more than they save at small sizes (benchmarks/NOTES.md). Sampling and
-    scoring then both see bf16 logits (~1e-2 from fp32's); the on-policy ratio is still exactly 1
-    (mu = 1)."""
-    parallelism: str = "ddp"
-    """How a multi-rank stage holds the policy: ddp (a full copy of weights, gradients and AdamW
-    state on every rank) | fsdp2 (``fully_shard`` per decoder layer plus the root: each rank holds
-    1/world of them; full weights are gathered for each rollout). fsdp2 needs >= 2 ranks and full
-    fine-tuning (not LoRA); its checkpoints are sharded (torch.distributed.checkpoint) and resume
-    on the same number of ranks."""
-    gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations during backward (transformers'
-    ``gradient_checkpointing_enable``, non-reentrant): the update keeps one layer's activations
-    instead of all of them, for about one more forward of compute. The update's forward then runs
-    prompt and completion together (as TRL does): a layer replayed in backward cannot share the
-    prompt's KV cache across the group. Sampling and the reference are unchanged."""
-    reward_timeout_s: float = 300.0
-    """Seconds one reward function may take for one batch before the stage stops with an error
-    naming it (a hung verifier would otherwise stall every rank forever); 0 disables the limit.
-    Enforced with SIGALRM in the main thread: Python code and blocking system calls are
-    interrupted, a C extension that never returns to Python is not."""
-    collective_timeout_s: float = 1800.0
-    """Seconds a rank waits for the others in one collective before the stage fails (instead of
-    hanging). Rank 0 alone saves and uploads checkpoints, and downloads the one to resume from,
-    while the other ranks wait in a barrier, so this must exceed the slowest such transfer.
-    torch's own defaults are 30 min on gloo but 10 min on nccl, shorter than a large model's
-    checkpoint upload to S3; this applies the same limit to both."""
-    max_new_tokens: int = 32
-    """Completion length cap; completions that hit it count as truncated."""
-    max_prompt_tokens: int = 512
-    """Prompts longer than this are an error naming the row (never silently cut)."""
-    mask_truncated: bool = False
-    """Exclude completions that hit max_new_tokens from the loss."""
-    dynamic_sampling: bool = False
-    """DAPO dynamic sampling: drop all-equal groups and draw more prompts to refill."""
-    max_resample_rounds: int = 3
-    """Cap on extra sampling rounds per iteration with dynamic sampling."""
-    eval_every: int = 0
-    """Greedy accuracy on the task's validation split every N iterations (0: only at the end);
-    the gate's ``eval_accuracy``. Validation is disjoint from training and from the test items
-    the final evaluation reports (``grpo_core.data``)."""
-    eval_size: int = 100
-    """Validation items for periodic evaluation."""
-    eval_max_new_tokens: int = 0
-    """Generation cap for evaluation; 0 means max_new_tokens."""
-    gate_metric: str | None = None
-    """Promotion gate: stop the stage early when this metric (eval_accuracy | informative_frac |
-    reward) reaches gate_threshold; unset: no gate."""
-    gate_threshold: float = 1.0
-    """Threshold for gate_metric."""
-    gate_patience: int = 1
-    """Consecutive measurements at or above the threshold needed to promote."""
-    seed: int = 0
-    """Seed for prompts, sampling and init; each iteration reseeds from (seed, iteration, rank)."""
-    save_every: int = 10
-    """Checkpoint (and flush metrics to MLflow) every N iterations."""
-    keep_checkpoints: int = 2
-    """Complete checkpoints kept; older ones are deleted after a new one is verified."""
-    sample_every: int = 10
-    """Log a table of sample completions every N iterations."""
-    output_dir: str = "outputs/grpo"
-    """Local working directory: metrics.jsonl, checkpoints, final model."""
-    sync_uri: str | None = None
-    """Storage URI (dir or s3://) where checkpoints and the final model are published."""
-    resume_from: list = field(default_factory=list)
-    """Storage URIs searched, in order, for the latest complete checkpoint to resume from."""
-    tracking_uri: str | None = None
-    """MLflow tracking URI (rank 0 logs there)."""
-    tracking_run_id: str | None = None
-    """MLflow run id to log into (the stage's child run)."""
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    """Rollout sampling (``[<stage>.sampling]``)."""
+    loss: LossSettings = field(default_factory=LossSettings)
+    """The policy loss and advantages (``[<stage>.loss]``)."""
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    """AdamW (``[<stage>.optim]``)."""
+    execution: ExecutionSettings = field(default_factory=ExecutionSettings)
+    """Precision, sharding, memory and time limits (``[<stage>.execution]``)."""
+    validation: ValidationSettings = field(default_factory=ValidationSettings)
+    """In-stage validation accuracy (``[<stage>.validation]``)."""
+    gate: GateSettings = field(default_factory=GateSettings)
+    """Promotion gate (``[<stage>.gate]``)."""
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    """Checkpoint cadence and retention (``[<stage>.checkpoint]``)."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """LoRA adapters instead of full fine-tuning (``[<stage>.lora]``)."""
+    runtime: StageRuntime = field(default_factory=StageRuntime)
+    """Filled in by the flow (model, directories, MLflow run): not set in a stage table."""
+
+    RENAMED = {"loss_type": "loss.type", "eval_every": "validation.every", "eval_size": "validation.size",
+               "eval_max_new_tokens": "validation.max_new_tokens", "gate_metric": "gate.metric",
+               "gate_threshold": "gate.threshold", "gate_patience": "gate.patience",
+               "save_every": "checkpoint.every", "keep_checkpoints": "checkpoint.keep"}
+    """Flat fields whose name changed when they moved into a group: an error names the new place."""
 
     def __post_init__(self):
-        w = f"stage '{self.stage}'"
+        for name, cls in {**GROUPS, "runtime": StageRuntime}.items():
+            if isinstance(getattr(self, name), dict):  # built directly (tests, benchmarks), not from a table
+                setattr(self, name, from_dict(cls, getattr(self, name), f"stage.{name}"))
+        w = f"stage '{self.runtime.stage}'"
         check_choice(self.task, sorted(tasks.registry()), f"{w}.task")
-        check_choice(self.loss_type, loss_type_names(), f"{w}.loss_type")
-        check_choice(self.scale, SCALES, f"{w}.scale")
-        check_choice(self.sampler, SAMPLERS, f"{w}.sampler")
-        check_choice(self.rollout_engine, tuple(engines.ENGINES), f"{w}.rollout_engine")
-        check_choice(self.precision, PRECISIONS, f"{w}.precision")
-        check_choice(self.parallelism, PARALLELISMS, f"{w}.parallelism")
-        require(self.group_size >= 2, f"{w}.group_size", f"{self.group_size} < 2: a group needs at least "
-                 "two samples for a baseline; set group_size >= 2")
-        for name in ("prompts_per_iter", "iterations", "mu", "max_new_tokens", "save_every",
-                     "max_prompt_tokens", "keep_checkpoints", "eval_size", "sample_every", "gate_patience"):
-            require(getattr(self, name) >= 1, f"{w}.{name}", f"must be >= 1, got {getattr(self, name)}")
-        require(self.eval_max_new_tokens >= 0, f"{w}.eval_max_new_tokens",
-                 f"must be >= 0 (0 = max_new_tokens), got {self.eval_max_new_tokens}")
-        require(self.max_resample_rounds >= 0, f"{w}.max_resample_rounds",
-                 f"must be >= 0, got {self.max_resample_rounds}")
-        for name in ("lr", "temperature", "top_p", "collective_timeout_s"):
-            v = getattr(self, name)
-            require(math.isfinite(v) and v > 0, f"{w}.{name}", f"must be a finite number > 0, got {v}")
-        for name in ("beta", "clip_low", "weight_decay", "max_grad_norm", "adv_eps", "reward_timeout_s"):
-            v = getattr(self, name)
-            require(math.isfinite(v) and v >= 0, f"{w}.{name}", f"must be >= 0 and finite, got {v}")
-        require(self.clip_high is None or (math.isfinite(self.clip_high) and self.clip_high >= 0),
-                 f"{w}.clip_high", f"must be a finite number >= 0 or omitted (= clip_low), got {self.clip_high}")
-        require(math.isfinite(self.gate_threshold), f"{w}.gate_threshold",
-                 f"must be a finite number, got {self.gate_threshold} (leave gate_metric unset for no gate)")
-        require(self.top_p <= 1.0, f"{w}.top_p", f"must be <= 1.0, got {self.top_p}")
-        require(self.top_k >= 0 and self.warmup_iters >= 0 and self.eval_every >= 0,
-                 w, "top_k, warmup_iters and eval_every must be >= 0")
-        require(self.micro_batch_groups >= 0, f"{w}.micro_batch_groups",
-                 f"must be >= 0 (0 = all of a rank's groups at once), got {self.micro_batch_groups}")
+        at_least(self, w, 1, "prompts_per_iter", "iterations", "sample_every")
+        non_negative(self, w, "reward_timeout_s")
         check_arithmetic(self.arithmetic_ops, self.arithmetic_min, self.arithmetic_max, w)
-        if isinstance(self.lora, dict):  # built directly (tests, benchmarks) rather than from a table
-            self.lora = from_dict(LoraSettings, self.lora, f"{w}.lora")
+        for group in (self.sampling, self.loss, self.optim, self.execution, self.validation, self.checkpoint):
+            group.check(w)
+        self.gate.check(w, self.validation)
         self.lora.check(w, self.disable_dropout)
-        if self.parallelism == "fsdp2":
-            require(not self.lora.rank, f"{w}.parallelism", "'fsdp2' with LoRA (lora.rank > 0) is not supported "
-                    "(LoRA's gradients and AdamW state are already small); use parallelism = 'ddp' with LoRA, "
-                    "or lora.rank = 0 with fsdp2")
-            require(not self.compile_scoring, f"{w}.parallelism", "'fsdp2' with compile_scoring = true is not "
-                    "supported; set compile_scoring = false or parallelism = 'ddp'")
-        if self.gate_metric is not None:
-            check_choice(self.gate_metric, GATE_METRICS, f"{w}.gate_metric")
-            require(self.gate_metric != "eval_accuracy" or self.eval_every > 0, f"{w}.gate_metric",
-                     "'eval_accuracy' is measured only with eval_every > 0; set eval_every")
-            require(self.gate_metric not in FRACTION_METRICS or self.gate_threshold <= 1, f"{w}.gate_threshold",
-                     f"{self.gate_threshold} can never be reached: {self.gate_metric} is a fraction (at most 1), so "
-                     "the gate would never promote; use a threshold in [0, 1]")
-        require(self.mu >= 1, f"{w}.mu", f"must be >= 1 (updates per rollout batch), got {self.mu}")
+        if self.execution.parallelism == "fsdp2":
+            require(not self.lora.rank, f"{w}.execution.parallelism", "'fsdp2' with LoRA (lora.rank > 0) is not "
+                    "supported (LoRA's gradients and AdamW state are already small); use parallelism = 'ddp' "
+                    "with LoRA, or lora.rank = 0 with fsdp2")
+            require(not self.execution.compile_scoring, f"{w}.execution.parallelism", "'fsdp2' with "
+                    "compile_scoring = true is not supported; set compile_scoring = false or parallelism = 'ddp'")
         require(self.system_prompt is None or bool(self.system_prompt.strip()), f"{w}.system_prompt",
-                 "is empty; omit it to keep the chat template's default system message, or give the text")
+                "is empty; omit it to keep the chat template's default system message, or give the text")
         require(bool(self.rewards), f"{w}.rewards", "needs at least one {fn, weight} entry")
         for i, r in enumerate(self.rewards):
             require(isinstance(r, dict) and set(r) <= {"fn", "weight"} and "fn" in r,
-                     f"{w}.rewards[{i}]", f"{r!r}: each entry is {{fn = 'pkg.mod:func', weight = 1.0}}")
+                    f"{w}.rewards[{i}]", f"{r!r}: each entry is {{fn = 'pkg.mod:func', weight = 1.0}}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def eval_max_new_tokens(self) -> int:
+        """The in-stage validation's generation cap."""
+        return self.validation.max_new_tokens or self.sampling.max_new_tokens
 
 
 def gsm8k_source(configured: str) -> str:

@@ -228,24 +228,17 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
     Each prompt is prefilled once; its K/V are copied G times into buffers of P + T slots that the
     decode steps fill in place and attend over up to the current slot (``_Stepper``). Finished rows
     get ``pad_id``, as generate does; decoding stops once every row has emitted EOS (``eos_id``:
-    one id or a list of stop ids, any of which ends a row). If
-    ``step_logits`` is a list, the raw float32 logits of each step [B, V] are appended to it
-    (zeros for rows no longer decoded).
+    one id or a list of stop ids, any of which ends a row). ``step_logits``, a list, receives the
+    raw float32 logits of each step [B, V] (zeros for rows no longer decoded).
 
-    Compaction: once the unfinished rows are at most ``compact_below`` of the rows still being
-    decoded, finished rows leave the batch (their K/V, mask and positions are dropped), so
-    short completions stop costing compute. Each row's distribution is unchanged; only the
-    mapping of random numbers to rows changes, so ``compact_below=0`` is needed for the
-    same-seed-same-samples comparison with ``generate``.
+    Compaction: once the unfinished rows are at most ``compact_below`` of those still decoded,
+    finished rows leave the batch, so short completions stop costing compute. Each row's
+    distribution is unchanged, only the mapping of random numbers to rows (``compact_below=0``
+    for the same-seed-same-samples comparison with ``generate``).
 
-    sampler: "inverse_cdf" (``sample_inverse_cdf``: one uniform number per row; decoding 0.91x
-    at hidden 64, 0.95x at 128) or "multinomial" (``torch.multinomial``, generate's: one
-    exponential number per vocabulary entry, ~0.15 ms a step at 64 x 108 on one CPU thread; the
-    same tokens as generate for the same seed).
-
-    loop_rule: stop a row at the first step where its tail is a verbatim loop (``loops.py``; the
-    evaluation's greedy decoding): its last token is the one that completed the loop, and
-    ``loops.looped`` says so afterwards.
+    sampler: "inverse_cdf" (``sample_inverse_cdf``: one uniform number per row, the faster) or
+    "multinomial" (generate's ``torch.multinomial``: the same tokens as generate for a seed).
+    loop_rule: stop a row at the first step where its tail is a verbatim loop (``loops.py``).
     """
     with no_grad_for_sampling(ids.device):
         if sampler not in SAMPLERS:

@@ -45,8 +45,8 @@ class Sampling:
 
     @classmethod
     def of(cls, cfg) -> Sampling:
-        return cls(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, cfg.max_prompt_tokens,
-                   cfg.sampler, cfg.system_prompt)
+        s = cfg.sampling
+        return cls(s.temperature, s.top_p, s.top_k, s.max_new_tokens, s.max_prompt_tokens, s.sampler, cfg.system_prompt)
 
 
 class RolloutEngine(Protocol):

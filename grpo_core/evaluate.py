@@ -116,7 +116,7 @@ def main(argv=None):
     if a.size < 0:
         p.error(f"--size must be >= 0 (0: all of {a.set}), got {a.size}")
     task, _ = tasks.split_of(a.set)
-    fields = GRPOConfig(stage="evaluate", model="-", task=task.name, **{q: getattr(a, q) for q in task.params})
+    fields = GRPOConfig(task=task.name, runtime={"stage": "evaluate"}, **{q: getattr(a, q) for q in task.params})
     params = task.params_of(fields)
     rows = test_items(task, params, a.size or None)
     model, tok = load_policy(a.model)

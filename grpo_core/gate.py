@@ -18,7 +18,7 @@ class PromotionGate:
 
     @classmethod
     def from_config(cls, cfg) -> PromotionGate:
-        return cls(cfg.gate_metric, cfg.gate_threshold, cfg.gate_patience)
+        return cls(cfg.gate.metric, cfg.gate.threshold, cfg.gate.patience)
 
     @property
     def fired(self) -> bool:

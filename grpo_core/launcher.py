@@ -65,7 +65,8 @@ def launch_stage(stage_cfg: dict, nproc: int, threads: int, on_progress=None, po
                  gang: Gang = Gang()) -> dict:
     """Run this node's part of one GRPO stage under torchrun; a failed rank fails the step.
     Returns summary.json on the leading node, ``{"node_index": i}`` on the others."""
-    out = Path(stage_cfg["output_dir"])
+    runtime = stage_cfg["runtime"]
+    out = Path(runtime["output_dir"])
     stage_json = out / "stage.json"
     storage.atomic_write_text(stage_json, json.dumps(stage_cfg, indent=1))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads),
@@ -88,8 +89,8 @@ def launch_stage(stage_cfg: dict, nproc: int, threads: int, on_progress=None, po
                 proc.kill()
     if rc != 0:
         if gang.leads:
-            _mark_failed(stage_cfg.get("tracking_uri"), stage_cfg.get("tracking_run_id"))
-        raise RuntimeError(f"stage {stage_cfg['stage']} failed: torchrun exited with {rc} "
+            _mark_failed(runtime.get("tracking_uri"), runtime.get("tracking_run_id"))
+        raise RuntimeError(f"stage {runtime['stage']} failed: torchrun exited with {rc} "
                            f"(node {gang.node_index} of {gang.nodes}; see the rank logs above); "
                            "`resume` continues from its last checkpoint")
     if not gang.leads:

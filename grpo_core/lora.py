@@ -14,7 +14,8 @@ import contextlib
 
 import torch
 
-from grpo_core.config import ConfigError, LoraSettings
+from grpo_core.config import LoraSettings
+from grpo_core.config_checks import ConfigError
 
 
 def attach(model, settings: LoraSettings, where: str):

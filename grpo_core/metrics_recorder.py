@@ -29,7 +29,8 @@ class MetricsRecorder:
         self.cfg, self.is_main, self.out = cfg, is_main, out
         self.path = out / METRICS_FILE  # one JSON line per iteration
         self.spill_path = out / "pending_metrics.jsonl"  # tracking points the server did not take
-        self.tracker = open_tracker(cfg.tracking_uri, cfg.tracking_run_id, rank, spill_path=str(self.spill_path))
+        self.tracker = open_tracker(cfg.runtime.tracking_uri, cfg.runtime.tracking_run_id, rank,
+                                    spill_path=str(self.spill_path))
 
     # ---------------------------------------------------------------- start and resume
     def log_objective(self, card: dict) -> None:
@@ -80,12 +81,12 @@ class MetricsRecorder:
         self.tracker.log({k: v for k, v in m.items() if k != "iteration"}, step=m["iteration"], timestamp_ms=logged_at)
         alarm = divergence_alarm(history) if "eval_accuracy" in m else None
         if alarm:
-            print(f"WARNING [{self.cfg.stage}] {alarm}", flush=True)
+            print(f"WARNING [{self.cfg.runtime.stage}] {alarm}", flush=True)
             self.tracker.log({"alarm/reward_task_divergence": 1.0}, step=m["iteration"])
             self.tracker.set_tags({"grpo.alarm": alarm})
         if m["iteration"] % self.cfg.sample_every == 0 or m["iteration"] == 1:
             self._log_samples(m["iteration"], batch)
-        print(f"[{self.cfg.stage}] it {m['iteration']:4d} reward {m['reward']:.3f} "
+        print(f"[{self.cfg.runtime.stage}] it {m['iteration']:4d} reward {m['reward']:.3f} "
               f"informative {m['informative_frac']:.2f} kl {m['kl']:.4f} len {m['completion_len']:.1f}"
               + (f" eval_acc {m['eval_accuracy']:.3f}" if "eval_accuracy" in m else ""), flush=True)
 
@@ -114,8 +115,8 @@ class MetricsRecorder:
         self.tracker.flush()
         summary["tracking_delayed_points"] = getattr(self.tracker, "delayed_points", 0)
         self.tracker.close()
-        if self.spill_path.exists() and self.cfg.sync_uri:  # kept beside the checkpoints, for replay
+        if self.spill_path.exists() and self.cfg.runtime.sync_uri:  # kept beside the checkpoints, for replay
             summary["tracking_pending_uri"] = storage.write_text(
-                storage.join(self.cfg.sync_uri, self.spill_path.name), self.spill_path.read_text())
-            summary["tracking_run_id"] = self.cfg.tracking_run_id
+                storage.join(self.cfg.runtime.sync_uri, self.spill_path.name), self.spill_path.read_text())
+            summary["tracking_run_id"] = self.cfg.runtime.tracking_run_id
         return summary

@@ -16,39 +16,39 @@ SCALES = {"group": "(r - group mean) / (group std + eps)",
 def objective_card(cfg, world_size: int, rendered_prompt: str | None = None) -> dict:
     """The stage's objective; ``rendered_prompt``: one training prompt exactly as the policy sees it
     (chat template and system message applied), so the prompt format is on record too."""
-    clip_high = cfg.clip_low if cfg.clip_high is None else cfg.clip_high
-    loss = loss_entry(cfg.loss_type)
+    clip_high = cfg.loss.clip_low if cfg.loss.clip_high is None else cfg.loss.clip_high
+    loss = loss_entry(cfg.loss.type)
     return {
-        "loss_type": cfg.loss_type,
+        "loss_type": cfg.loss.type,
         "normaliser": loss.normaliser,
-        "advantage": SCALES[cfg.scale],
+        "advantage": SCALES[cfg.loss.scale],
         "advantage_std": "Bessel-corrected (n-1)",
-        "advantage_eps": cfg.adv_eps,
-        "surrogate": loss.surrogate.format(lo=f"{1 - cfg.clip_low:g}", hi=f"{1 + clip_high:g}"),
+        "advantage_eps": cfg.loss.adv_eps,
+        "surrogate": loss.surrogate.format(lo=f"{1 - cfg.loss.clip_low:g}", hi=f"{1 + clip_high:g}"),
         "kl_estimator": "k3 = exp(ref - logp) - (ref - logp) - 1, per token, not importance-weighted"
-                        if cfg.beta > 0 else "none (beta = 0, no reference model)",
-        "reference": ("none" if cfg.beta == 0 else "the policy with its LoRA adapters off" if cfg.lora.rank
+                        if cfg.loss.beta > 0 else "none (beta = 0, no reference model)",
+        "reference": ("none" if cfg.loss.beta == 0 else "the policy with its LoRA adapters off" if cfg.lora.rank
                       else "a frozen copy of the stage's starting policy"),
         "trained_weights": (f"LoRA adapters: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} (scale "
                             f"{cfg.lora.alpha / cfg.lora.rank:g}), dropout {cfg.lora.dropout:g}, on "
                             f"{cfg.lora.target_modules}" if cfg.lora.rank else "all (full fine-tuning)"),
-        "beta": cfg.beta,
-        "scoring_temperature": cfg.temperature,
-        "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k},
-        "old_logp": "recomputed once per rollout batch (no grad)" if cfg.mu > 1
+        "beta": cfg.loss.beta,
+        "scoring_temperature": cfg.sampling.temperature,
+        "sampling": {"temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p, "top_k": cfg.sampling.top_k},
+        "old_logp": "recomputed once per rollout batch (no grad)" if cfg.optim.mu > 1
                     else ("logp.detach() (on-policy, mu = 1): the ratio is exactly 1 in value, so the "
                           "reported loss is ~beta*KL while its gradient is the policy gradient"),
-        "updates_per_batch": cfg.mu,
-        "precision": "bf16 autocast (float32 weights, optimizer and loss math)" if cfg.precision == "bf16"
+        "updates_per_batch": cfg.optim.mu,
+        "precision": "bf16 autocast (float32 weights, optimizer and loss math)" if cfg.execution.precision == "bf16"
                      else "fp32",
-        "micro_batch_groups": cfg.micro_batch_groups or "all of a rank's groups (no accumulation)",
-        "truncated_completions": "masked out of the loss" if cfg.mask_truncated else "kept",
-        "dynamic_sampling": cfg.dynamic_sampling,
+        "micro_batch_groups": cfg.execution.micro_batch_groups or "all of a rank's groups (no accumulation)",
+        "truncated_completions": "masked out of the loss" if cfg.loss.mask_truncated else "kept",
+        "dynamic_sampling": cfg.sampling.dynamic_sampling,
         "world_size": world_size,
         "parallelism": ("fsdp2: weights, gradients and AdamW state sharded over the ranks (FSDP "
-                        + ("bf16 gather, fp32 gradient reduction" if cfg.precision == "bf16" else "fp32")
+                        + ("bf16 gather, fp32 gradient reduction" if cfg.execution.precision == "bf16" else "fp32")
                         + "); full weights gathered for rollouts and reference scoring"
-                        if cfg.parallelism == "fsdp2" else
+                        if cfg.execution.parallelism == "fsdp2" else
                         "ddp: a full copy per rank, gradients all-reduced" if world_size > 1 else "one process"),
         "reward_functions": cfg.rewards,
         "system_prompt": cfg.system_prompt if cfg.system_prompt is not None else "none (the chat template's default)",

@@ -9,15 +9,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from grpo_core.config import (
-    TINY_ARCHITECTURES,
-    ConfigError,
-    GRPOConfig,
-    check_arithmetic,
-    check_choice,
-    from_dict,
-    require,
-)
+from grpo_core.config import TINY_ARCHITECTURES, GRPOConfig
+from grpo_core.config_checks import ConfigError, check_arithmetic, check_choice, from_dict, require
 from grpo_core.stages import GRPO_STAGES
 from grpo_core.tasks import dataset_name
 
@@ -242,16 +235,18 @@ class PipelineConfig:
     def __post_init__(self):
         # Validate the stage tables now (fail fast in `start`), keep them as dicts for overrides.
         for stage, task in ((s.name, s.task) for s in GRPO_STAGES):
-            table = {"stage": stage, "task": task, **getattr(self, stage)}
-            cfg = from_dict(GRPOConfig, {**table, "model": table.get("model", "validated-later")}, stage)
+            table = {"task": task, **getattr(self, stage)}
+            require("runtime" not in table, f"{stage}.runtime", "is filled in by the flow for each run (model, "
+                    "directories, MLflow run); remove it from the stage table")
+            cfg = self._stage_config(table, stage, model="validated-later")
             world = self.compute.nproc_per_node * self.compute.nodes
             require(cfg.prompts_per_iter % world == 0, f"{stage}.prompts_per_iter",
                      f"{cfg.prompts_per_iter} prompts cannot be split across {world} ranks "
                      f"(compute.nodes x compute.nproc_per_node); use a multiple of {world}")
-            require(cfg.parallelism != "fsdp2" or world >= 2, f"{stage}.parallelism",
+            require(cfg.execution.parallelism != "fsdp2" or world >= 2, f"{stage}.execution.parallelism",
                     f"'fsdp2' shards over ranks, but compute.nproc_per_node = {world} on one node; set "
                     "nproc_per_node >= 2 or parallelism = 'ddp'")
-            require(cfg.parallelism != "fsdp2" or self.compute.nodes == 1, f"{stage}.parallelism",
+            require(cfg.execution.parallelism != "fsdp2" or self.compute.nodes == 1, f"{stage}.execution.parallelism",
                     f"'fsdp2' writes every rank's checkpoint shards into one directory, which needs one "
                     f"filesystem, but compute.nodes = {self.compute.nodes}; use parallelism = 'ddp' across "
                     "nodes, or fsdp2 on one node")
@@ -287,8 +282,13 @@ class PipelineConfig:
         return from_dict(cls, json.loads(json.dumps(data)), "config")
 
     def stage(self, name: str, **runtime) -> GRPOConfig:
-        """The validated GRPOConfig of one stage, with runtime fields (model, dirs, run ids)."""
-        return from_dict(GRPOConfig, {**getattr(self, name), **runtime}, name)
+        """The validated GRPOConfig of one stage, with its runtime record (``StageRuntime``: model,
+        dirs, run ids)."""
+        return self._stage_config(getattr(self, name), name, **runtime)
+
+    @staticmethod
+    def _stage_config(table: dict, name: str, **runtime) -> GRPOConfig:
+        return from_dict(GRPOConfig, {**table, "runtime": {"stage": name, **runtime}}, name)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from grpo_core.config import ConfigError
+from grpo_core.config_checks import ConfigError
 from grpo_core.scoring import CompletionScorer
 
 

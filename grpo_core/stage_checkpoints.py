@@ -26,7 +26,7 @@ class StageCheckpoints:
 
     def find_latest(self) -> Path | None:
         """The newest verified checkpoint, the same one on every rank (None: start at 0)."""
-        locations = [str(self.dir)] + [storage.join(u, "checkpoints") for u in self.cfg.resume_from]
+        locations = [str(self.dir)] + [storage.join(u, "checkpoints") for u in self.cfg.runtime.resume_from]
         path = checkpoint.latest(locations, self.scratch) if self.info.is_main else None
         found = [str(path) if path else ""]
         if dist.active():
@@ -40,7 +40,7 @@ class StageCheckpoints:
         if chosen.is_dir():
             return chosen
         name = checkpoint.name_of(chosen)
-        stored = [storage.join(u, "checkpoints") for u in self.cfg.resume_from]
+        stored = [storage.join(u, "checkpoints") for u in self.cfg.runtime.resume_from]
         for loc in stored:
             got = checkpoint.fetch(loc, name, self.scratch / f"rank-{self.info.rank}")
             if got:
@@ -58,16 +58,16 @@ class StageCheckpoints:
         """Copy a checkpoint found elsewhere (the origin run of a flow ``resume``) to this run's
         own sync_uri. A resume of this run searches only this run and its direct origin: if this
         run failed before writing a checkpoint of its own, the work would otherwise restart at 0."""
-        if not (self.info.is_main and self.cfg.sync_uri):
+        if not (self.info.is_main and self.cfg.runtime.sync_uri):
             return
-        copy = storage.join(self.cfg.sync_uri, "checkpoints", checkpoint.name_for(iteration))
+        copy = storage.join(self.cfg.runtime.sync_uri, "checkpoints", checkpoint.name_for(iteration))
         if not checkpoint.stored_complete(copy):  # absent, or an earlier republish cut short
             storage.put_dir(ckpt, copy)
 
     def save(self, iteration: int, model, opt, sched, state: dict, extra_files: dict[str, Path],
              write_shards=None) -> None:
         """Rank 0: an atomic local checkpoint (with ``extra_files`` copied in), its copy in the
-        run's storage, then pruning to ``keep_checkpoints`` in both. Other ranks do nothing,
+        run's storage, then pruning to ``checkpoint.keep`` in both. Other ranks do nothing,
         except for a sharded policy: then every rank calls ``write_shards(dir)`` with the one
         temporary directory rank 0 is filling (sent to them), before rank 0 completes it."""
         into_agreed_dir = None
@@ -82,20 +82,20 @@ class StageCheckpoints:
         if not self.info.is_main:
             return
         path = checkpoint.save(self.dir, iteration, model, opt, sched, state, extra_files, into_agreed_dir)
-        if self.cfg.sync_uri:
-            remote = storage.join(self.cfg.sync_uri, "checkpoints")
+        if self.cfg.runtime.sync_uri:
+            remote = storage.join(self.cfg.runtime.sync_uri, "checkpoints")
             storage.put_dir(path, storage.join(remote, path.name))
             try:  # housekeeping: a bucket that refuses deletes must not stop training
-                checkpoint.prune_stored(remote, self.cfg.keep_checkpoints, written=path.name)
+                checkpoint.prune_stored(remote, self.cfg.checkpoint.keep, written=path.name)
             except Exception as exc:
                 warnings.warn(f"could not prune old checkpoints under {remote}: {exc}")
-        checkpoint.prune(self.dir, self.cfg.keep_checkpoints, written=path.name)
+        checkpoint.prune(self.dir, self.cfg.checkpoint.keep, written=path.name)
 
     def publish_final(self, model, tok, out: Path, state_dict: dict | None = None) -> str:
         """Rank 0: the stage's final model as a safetensors HF dir (``state_dict``: its weights,
         when the model's own are sharded), copied to storage when the stage has a sync_uri;
         returns where the next stage loads it from."""
         final = save_policy(model, tok, out / "final", state_dict)
-        if self.cfg.sync_uri:
-            return storage.put_dir(final, storage.join(self.cfg.sync_uri, "final"))
+        if self.cfg.runtime.sync_uri:
+            return storage.put_dir(final, storage.join(self.cfg.runtime.sync_uri, "final"))
         return str(final)

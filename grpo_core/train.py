@@ -3,10 +3,11 @@
 Alone it runs as one process; under torchrun it runs DDP (gloo on CPU, nccl on GPU):
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m grpo_core.train \\
-        --config stage.json --set iterations=40 --set lr=3e-4
+        --config stage.json --set iterations=40 --set optim.lr=3e-4
 
-``--set`` values are parsed as JSON when they parse (numbers, true/false, null, lists), else
-kept as strings. The config is validated before any model is loaded.
+``--set`` keys are dotted paths into the config's groups (``sampling.temperature``,
+``runtime.model``); values are parsed as JSON when they parse (numbers, true/false, null,
+lists), else kept as strings. The config is validated before any model is loaded.
 """
 from __future__ import annotations
 
@@ -14,19 +15,29 @@ import argparse
 import json
 import os
 
-from grpo_core.config import ConfigError, GRPOConfig, from_dict
+from grpo_core.config import GRPOConfig
+from grpo_core.config_checks import ConfigError, from_dict
+from grpo_core.pipeline_config import deep_merge
 
 
 def parse_overrides(pairs: list[str]) -> dict:
-    out = {}
+    """``--set`` pairs as a nested dict: ``optim.lr=3e-4`` -> ``{"optim": {"lr": 3e-4}}``."""
+    out: dict = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set {pair!r}: use key=value, e.g. --set lr=3e-4")
+        if not sep or not key or "" in key.split("."):
+            raise ConfigError(f"--set {pair!r}: use key=value, e.g. --set optim.lr=3e-4")
         try:
-            out[key] = json.loads(raw)
+            value = json.loads(raw)
         except json.JSONDecodeError:
-            out[key] = raw
+            value = raw
+        *groups, name = key.split(".")
+        table = out
+        for g in groups:
+            table = table.setdefault(g, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"--set {pair!r}: {g} is a value, not a group")
+        table[name] = value
     return out
 
 
@@ -45,7 +56,7 @@ def load_config(path: str | None, overrides: list[str]) -> GRPOConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"--config {path}: expected a JSON object of GRPOConfig fields, "
                               f"got {type(data).__name__}")
-    return from_dict(GRPOConfig, {**data, **parse_overrides(overrides)}, "stage")
+    return from_dict(GRPOConfig, deep_merge(data, parse_overrides(overrides)), "stage")
 
 
 def main(argv=None) -> dict:
@@ -62,11 +73,12 @@ def main(argv=None) -> dict:
 
     if threads:
         torch.set_num_threads(int(threads))
-    info = dist.init(cfg.collective_timeout_s)
+    info = dist.init(cfg.execution.collective_timeout_s)
     try:
         summary = Trainer(cfg, info).run()
     except BaseException as exc:
-        timed_out = dist.as_timeout_error(exc, cfg.collective_timeout_s, f"stage '{cfg.stage}'.collective_timeout_s")
+        timed_out = dist.as_timeout_error(exc, cfg.execution.collective_timeout_s,
+                                          f"stage '{cfg.runtime.stage}'.execution.collective_timeout_s")
         dist.cleanup(finished=False)
         if timed_out:
             raise timed_out from exc

@@ -20,7 +20,7 @@ import torch
 
 from grpo_core import dist, engines, lora, sharding, storage, tasks
 from grpo_core.algorithm import group_advantages, informative_mask, masked_mean, std_from_moments
-from grpo_core.config import ConfigError
+from grpo_core.config_checks import ConfigError
 from grpo_core.data import PromptStream, eval_rows, train_rows
 from grpo_core.evaluate import greedy_results
 from grpo_core.gate import PromotionGate
@@ -66,51 +66,53 @@ class Trainer:
     def __init__(self, cfg, info: dist.DistInfo):
         self.cfg, self.info = cfg, info
         if cfg.prompts_per_iter % info.world_size:  # _shard would drop the remainder every iteration
-            raise ConfigError(f"stage '{cfg.stage}'.prompts_per_iter: {cfg.prompts_per_iter} prompts cannot be split "
-                              f"across {info.world_size} ranks; use a multiple of {info.world_size}")
-        self.out = Path(cfg.output_dir)
+            raise ConfigError(f"stage '{cfg.runtime.stage}'.prompts_per_iter: {cfg.prompts_per_iter} prompts cannot "
+                              f"be split across {info.world_size} ranks; use a multiple of {info.world_size}")
+        self.out = Path(cfg.runtime.output_dir)
         torch.manual_seed(cfg.seed)
-        self.model, self.tok = load_policy(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        self.model, self.tok = load_policy(cfg.runtime.model, trust_remote_code=cfg.trust_remote_code)
         if cfg.disable_dropout:
             disable_dropout(self.model)
         # LoRA: adapters injected into self.model in place; self.lora is peft's handle (reference, merge)
-        self.lora = lora.attach(self.model, cfg.lora, f"stage '{cfg.stage}'") if cfg.lora.rank else None
+        self.lora = lora.attach(self.model, cfg.lora, f"stage '{cfg.runtime.stage}'") if cfg.lora.rank else None
         self.model.to(info.device).train()
-        if cfg.gradient_checkpointing:
+        if cfg.execution.gradient_checkpointing:
             try:
                 enable_activation_checkpointing(self.model)
             except ValueError as exc:
-                raise ConfigError(f"stage '{cfg.stage}'.gradient_checkpointing: {exc}; set it to false") from exc
-        self.sharded = cfg.parallelism == "fsdp2"
+                raise ConfigError(f"stage '{cfg.runtime.stage}'.execution.gradient_checkpointing: {exc}; "
+                                  "set it to false") from exc
+        self.sharded = cfg.execution.parallelism == "fsdp2"
         if self.sharded and info.world_size < 2:
-            raise ConfigError(f"stage '{cfg.stage}'.parallelism: 'fsdp2' shards over ranks, but this stage runs "
-                              "as one process; start it with torchrun --nproc_per_node >= 2, or use 'ddp'")
+            raise ConfigError(f"stage '{cfg.runtime.stage}'.execution.parallelism: 'fsdp2' shards over ranks, but "
+                              "this stage runs as one process; start it with torchrun --nproc_per_node >= 2, "
+                              "or use 'ddp'")
         self.ref = self.ref_root = None
-        if cfg.beta > 0 and self.lora is None:  # the stage's starting policy, also on resume (LoRA:
+        if cfg.loss.beta > 0 and self.lora is None:  # the stage's starting policy, also on resume (LoRA:
             # the policy with its adapters off)
-            self.ref, _ = load_policy(cfg.model, trust_remote_code=cfg.trust_remote_code)
+            self.ref, _ = load_policy(cfg.runtime.model, trust_remote_code=cfg.trust_remote_code)
             self.ref.to(info.device).eval().requires_grad_(False)
             if self.sharded:  # the reference is sharded too, and gathered for its scoring
-                self.ref_root = sharding.shard(self.ref, cfg.precision)
+                self.ref_root = sharding.shard(self.ref, cfg.execution.precision)
         # what scores completions: the policy itself, or compiled (same parameters); the update
         # scores through self.ddp: DDP around a CompletionScorer on > 1 rank, or FSDP's root (one)
         self.scorer, self.ref_scorer = self.model, self.ref
-        if cfg.compile_scoring:
+        if cfg.execution.compile_scoring:
             self.scorer = compile_for_scoring(self.model)
             self.ref_scorer = compile_for_scoring(self.ref) if self.ref is not None else None
         self.ddp = self.scorer
         if self.sharded:
-            self.ddp = sharding.shard(self.model, cfg.precision)  # self.model's parameters become shards
+            self.ddp = sharding.shard(self.model, cfg.execution.precision)  # self.model's parameters become shards
         elif info.world_size > 1:
             self.ddp = wrap_ddp(self.scorer, info)
         trained = [p for p in self.model.parameters() if p.requires_grad]  # all, or LoRA's adapters
-        self.opt = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay,
+        self.opt = torch.optim.AdamW(trained, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                                      fused=fused_adamw_ok(self.model) and not self.sharded)
         self.sched = self._schedule()
         self.rewards = resolve_specs([RewardSpec(**r) for r in cfg.rewards])
-        self.engine, self.sampling = engines.build(cfg.rollout_engine, self.tok), engines.Sampling.of(cfg)
+        self.engine, self.sampling = engines.build(cfg.sampling.rollout_engine, self.tok), engines.Sampling.of(cfg)
         self.stream = PromptStream(train_rows(cfg), cfg.seed)
-        self.eval_rows = eval_rows(cfg, cfg.eval_size) if (cfg.eval_every or cfg.gate_metric) else None
+        self.eval_rows = eval_rows(cfg, cfg.validation.size) if (cfg.validation.every or cfg.gate.metric) else None
         self.gate = PromotionGate.from_config(cfg)
         self.state = {"iteration": 0, "data_position": 0, "nonfinite_in_a_row": 0,
                       "skipped_updates": 0, "history": [], **self.gate.state_dict()}
@@ -131,7 +133,7 @@ class Trainer:
         self.sched = self._schedule(done_iterations=self.state["iteration"])
         self.recorder.restore(path, self.state["iteration"])
         self.checkpoints.republish(path, self.state["iteration"])
-        dist.print0(f"[{self.cfg.stage}] resumed from {path} at iteration {self.state['iteration']}")
+        dist.print0(f"[{self.cfg.runtime.stage}] resumed from {path} at iteration {self.state['iteration']}")
         return self.state["iteration"]
 
     def _schedule(self, done_iterations: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
@@ -139,7 +141,7 @@ class Trainer:
         iterations done, so a resume sets it from the checkpoint's iteration rather than trusting
         the saved counter: checkpoints written before the schedule advanced once per iteration
         counted optimizer steps, which ran ahead of the iterations with mu > 1."""
-        warm = max(self.cfg.warmup_iters, 0)
+        warm = max(self.cfg.optim.warmup_iters, 0)
         return torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda it: min(1.0, (it + 1) / warm) if warm else 1.0, last_epoch=done_iterations - 1)
 
@@ -163,7 +165,7 @@ class Trainer:
         self.state["data_position"] += n_prompts
         with self._forward_only():  # under FSDP2: full weights for the engine
             self.engine.sync_weights(self.model)
-            batch = self.engine.generate(rows, c.group_size, self.sampling)
+            batch = self.engine.generate(rows, c.sampling.group_size, self.sampling)
         t0 = time.perf_counter()
         total, parts = combine_rewards(self.rewards, batch.prompts, batch.completions, batch.reward_columns(),
                                        timeout_s=c.reward_timeout_s)
@@ -176,15 +178,15 @@ class Trainer:
 
     def rollout(self) -> tuple[RolloutBatch, dict]:
         """Sample, score, and (with dynamic sampling) refill until enough groups are informative."""
-        c, G = self.cfg, self.cfg.group_size
+        c, G = self.cfg, self.cfg.sampling.group_size
         t0 = time.perf_counter()
         batch = self._sample(c.prompts_per_iter)
         drawn, informative_first = len(batch) // G, informative_mask(batch.rewards, G)
         stats = {"informative_groups": informative_first.float().sum().item(), "drawn_groups": drawn}
-        if c.dynamic_sampling:
+        if c.sampling.dynamic_sampling:
             kept, rounds = [batch.select_groups(informative_first)], 0
             need = lambda: dist.all_reduce_max(float(sum(b.num_groups for b in kept) < drawn))  # noqa: E731
-            while rounds < c.max_resample_rounds and need() > 0:
+            while rounds < c.sampling.max_resample_rounds and need() > 0:
                 extra = self._sample(c.prompts_per_iter)
                 kept.append(extra.select_groups(informative_mask(extra.rewards, G)))
                 rounds += 1
@@ -204,11 +206,12 @@ class Trainer:
         the global batch (all ranks' rewards of rows in the loss), so the update does not depend
         on how it is split."""
         c, batch_std = self.cfg, None
-        if c.scale == "batch" and dist.active():
+        if c.loss.scale == "batch" and dist.active():
             r = rewards.double() if loss_rows is None else rewards.double()[loss_rows]
             batch_std = std_from_moments(*dist.all_reduce_sum(
                 [r.sum().item(), (r * r).sum().item(), r.numel()], self.info.device))
-        return group_advantages(rewards, c.group_size, scale=c.scale, eps=c.adv_eps, batch_std=batch_std)
+        return group_advantages(rewards, c.sampling.group_size, scale=c.loss.scale, eps=c.loss.adv_eps,
+                                batch_std=batch_std)
 
     def update(self, batch: RolloutBatch) -> dict:
         """mu clipped updates on one rollout batch, each one optimizer step over the rank's
@@ -224,7 +227,7 @@ class Trainer:
     def _update(self, batch: RolloutBatch) -> dict:
         c, dev = self.cfg, self.info.device
         mask = batch.completion_mask.clone()                                    # [B, T]
-        if c.mask_truncated:
+        if c.loss.mask_truncated:
             mask &= ~batch.truncated.unsqueeze(1)
         rows = batch.loss_rows if batch.loss_rows is not None else torch.ones(len(batch), dtype=torch.bool)
         mask &= rows.unsqueeze(1)
@@ -232,26 +235,26 @@ class Trainer:
         global_tokens, global_rows = dist.all_reduce_sum([float(mask.sum()), float(rows.sum())], dev)
         if global_tokens == 0:  # nothing to learn anywhere (e.g. every completion masked): no step
             return {**MergedStats().result(), "grad_norm": 0.0}
-        parts = batch.split_groups(c.micro_batch_groups)
+        parts = batch.split_groups(c.execution.micro_batch_groups)
         masks = [mask] if len(parts) == 1 else list(mask.split([len(p) for p in parts]))
         t0 = time.perf_counter()
         if self.ref is not None:
             with self._forward_only(self.ref_root):
                 for part in parts:
-                    part.ref_logp = scored_without_grad(self.ref_scorer, part, c.temperature)
-        elif self.lora is not None and c.beta > 0:  # uncompiled: a compiled graph may bake the adapters in
+                    part.ref_logp = scored_without_grad(self.ref_scorer, part, c.sampling.temperature)
+        elif self.lora is not None and c.loss.beta > 0:  # uncompiled: a compiled graph may bake the adapters in
             with self._forward_only(), lora.reference_mode(self.lora):
                 for part in parts:
-                    part.ref_logp = scored_without_grad(self.model, part, c.temperature)
-        if c.mu > 1:
+                    part.ref_logp = scored_without_grad(self.model, part, c.sampling.temperature)
+        if c.optim.mu > 1:
             with self._forward_only():
                 for part in parts:
-                    part.old_logp = scored_without_grad(self.scorer, part, c.temperature)
+                    part.old_logp = scored_without_grad(self.scorer, part, c.sampling.temperature)
         self.timings["time_ref"] += time.perf_counter() - t0
         # fsdp2: each layer call is a collective, so every rank runs as many micro-batches as the
         # rank with the most; the extra ones repeat the first with a zero loss (no gradient, no stats)
         n_parts = int(dist.all_reduce_max(float(len(parts)), dev)) if self.sharded else len(parts)
-        for _ in range(c.mu):
+        for _ in range(c.optim.mu):
             self.opt.zero_grad(set_to_none=True)
             merged = MergedStats()
             for k in range(n_parts):
@@ -260,16 +263,16 @@ class Trainer:
                 accumulate = k < len(parts) - 1 and isinstance(self.ddp, torch.nn.parallel.DistributedDataParallel)
                 with self.ddp.no_sync() if accumulate else contextlib.nullcontext():
                     with self._precision():  # the forward only: backward follows autocast's forward dtypes
-                        logp, ent = completion_logprobs(self.ddp, part, c.temperature, with_entropy=True)
+                        logp, ent = completion_logprobs(self.ddp, part, c.sampling.temperature, with_entropy=True)
                     old = part.old_logp if part.old_logp is not None else logp.detach()
                     loss, stats = grpo_loss(
                         logp, old.to(dev), None if part.ref_logp is None else part.ref_logp.to(dev),
-                        part.advantages.to(dev), pmask.to(dev), clip_low=c.clip_low, clip_high=c.clip_high,
-                        beta=c.beta, loss_type=c.loss_type, max_completion_length=c.max_new_tokens,
+                        part.advantages.to(dev), pmask.to(dev), clip_low=c.loss.clip_low, clip_high=c.loss.clip_high,
+                        beta=c.loss.beta, loss_type=c.loss.type, max_completion_length=c.sampling.max_new_tokens,
                         global_token_count=global_tokens, global_sequence_count=global_rows,
                         world_size=self.info.world_size)
                     weight = 1.0 if len(parts) == 1 else micro_batch_weight(
-                        c.loss_type, len(part), len(batch), float(pmask.sum()), float(mask.sum()))
+                        c.loss.type, len(part), len(batch), float(pmask.sum()), float(mask.sum()))
                     if weight != 1.0 or pad:
                         loss = loss * (0.0 if pad else weight)
                     loss.backward()
@@ -281,14 +284,14 @@ class Trainer:
         return stats
 
     def _precision(self):
-        return precision_context(self.cfg.precision, self.info.device)
+        return precision_context(self.cfg.execution.precision, self.info.device)
 
     @contextlib.contextmanager
     def _forward_only(self, sharded_root=None):
         """Forwards with no backward (rollouts, reference/old scoring, evaluation): the stage's
         precision, activation checkpointing paused (if on: pausing scans every module), and with
         fsdp2 the full weights gathered (the policy's, or ``sharded_root``'s: the reference's)."""
-        paused = (activation_checkpointing_paused(self.model) if self.cfg.gradient_checkpointing
+        paused = (activation_checkpointing_paused(self.model) if self.cfg.execution.gradient_checkpointing
                   else contextlib.nullcontext())
         full = sharding.gathered(sharded_root or self.ddp) if self.sharded else contextlib.nullcontext()
         with full, self._precision(), paused:
@@ -296,7 +299,7 @@ class Trainer:
 
     def _step(self, loss: float) -> float:
         """Clip and apply the update, or skip it (and count) when anything is non-finite."""
-        limit = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        limit = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else float("inf")
         norm = sharding.full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)).item()
         bad = dist.all_reduce_max(float(not (math.isfinite(norm) and math.isfinite(loss))))
         if bad:
@@ -304,7 +307,7 @@ class Trainer:
             self.state["skipped_updates"] += 1
             self.state["nonfinite_in_a_row"] += 1
             if self.state["nonfinite_in_a_row"] >= MAX_NONFINITE_IN_A_ROW:
-                raise NonFiniteError(f"[{self.cfg.stage}] {MAX_NONFINITE_IN_A_ROW} non-finite updates in a row "
+                raise NonFiniteError(f"[{self.cfg.runtime.stage}] {MAX_NONFINITE_IN_A_ROW} non-finite updates in a row "
                                      f"(non-finite loss or gradient norm; last on this rank: loss={loss}, "
                                      f"grad_norm={norm}); all were skipped, so the weights and the last good "
                                      "checkpoint are intact. Lower lr or check the rewards' scale.")
@@ -319,15 +322,15 @@ class Trainer:
         sums = dist.all_reduce_named(local_sums(batch, roll, upd, self.reward_names), self.info.device)
         return iteration_metrics(it, sums, seconds=seconds, world_size=self.info.world_size, lr=upd["lr"],
                                  grad_norm=upd["grad_norm"], skipped_updates=self.state["skipped_updates"],
-                                 timings=self.timings, dynamic=roll if self.cfg.dynamic_sampling else None)
+                                 timings=self.timings, dynamic=roll if self.cfg.sampling.dynamic_sampling else None)
 
     def evaluate(self) -> float:
         """Greedy accuracy on the validation subset, sharded across ranks, graded by the task's
         grader (looping answers stop early, as in the final evaluation)."""
         rows = self.eval_rows[self.info.rank::self.info.world_size]
         with self._forward_only():
-            res = greedy_results(self.model, self.tok, rows, max_new_tokens=self.cfg.eval_max_new_tokens
-                                 or self.cfg.max_new_tokens, max_prompt_tokens=self.cfg.max_prompt_tokens,
+            res = greedy_results(self.model, self.tok, rows, max_new_tokens=self.cfg.eval_max_new_tokens(),
+                                 max_prompt_tokens=self.cfg.sampling.max_prompt_tokens,
                                  system_prompt=self.cfg.system_prompt, engine=self.engine,
                                  grade=tasks.task(self.cfg.task).grade)
         right, total = dist.all_reduce_sum([sum(r["correct"] for r in res), len(res)], self.info.device)
@@ -356,18 +359,19 @@ class Trainer:
             batch, roll = self.rollout()
             upd = self.update(batch)
             m = self.iteration_metrics(it, batch, roll, upd, time.perf_counter() - t0)
-            if self.eval_rows is not None and ((c.eval_every and it % c.eval_every == 0) or it == c.iterations):
+            every = c.validation.every
+            if self.eval_rows is not None and ((every and it % every == 0) or it == c.iterations):
                 m["eval_accuracy"] = self.evaluate()
-                m["eval_n"] = len(self.eval_rows)  # validation items it is over (eval_size, or all there are)
+                m["eval_n"] = len(self.eval_rows)  # validation items it is over (validation.size, or all there are)
             promoted = self.gate.observe(m)
             self.state["iteration"] = it
             self._remember(m)
             self.recorder.record(m, batch, self.state["history"])
-            if it % c.save_every == 0 or it == c.iterations or promoted:
+            if it % c.checkpoint.every == 0 or it == c.iterations or promoted:
                 self.save_checkpoint(it)
             if promoted:
-                dist.print0(f"[{c.stage}] promotion gate: {c.gate_metric} >= {c.gate_threshold} "
-                            f"({c.gate_patience}x) at iteration {it}; moving on")
+                dist.print0(f"[{c.runtime.stage}] promotion gate: {c.gate.metric} >= {c.gate.threshold} "
+                            f"({c.gate.patience}x) at iteration {it}; moving on")
                 break
         return self.finish(it, promoted, resumed_from=start)
 
@@ -378,7 +382,7 @@ class Trainer:
 
     def finish(self, it: int, promoted: bool, resumed_from: int = 0) -> dict:
         """The final model (rank 0, to storage) and the stage summary (summary.json)."""
-        summary = {"stage": self.cfg.stage, "iterations_run": it, "promoted_by_gate": promoted,
+        summary = {"stage": self.cfg.runtime.stage, "iterations_run": it, "promoted_by_gate": promoted,
                    "resumed_from_iteration": resumed_from, "skipped_updates": self.state["skipped_updates"]}
         gathered = sharding.full_state_dict(self.ddp) if self.sharded else None  # every rank takes part
         if self.info.is_main:

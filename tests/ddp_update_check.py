@@ -10,8 +10,8 @@ advantage scale, computed by ``Trainer.advantages`` on each rank's shard. micro_
 rank0_groups (optional) gives rank 0 that many groups and rank 1 the rest (dynamic sampling leaves
 ranks with different numbers of groups); "last-rank-empty" (optional) takes the last rank's groups
 out of the loss (``loss_rows`` False), as dynamic sampling does on a rank left with nothing informative.
-A JSON object (optional, argument 10) adds GRPOConfig fields (e.g. gradient_checkpointing, or
-parallelism "fsdp2": the update then runs through FSDP's sharded root).
+A JSON object (optional, argument 10) adds GRPOConfig fields, groups as tables (e.g.
+{"execution": {"parallelism": "fsdp2"}}: the update then runs through FSDP's sharded root).
 """
 import json
 import sys
@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from grpo_core import dist, scoring, sharding
 from grpo_core.config import GRPOConfig
+from grpo_core.pipeline_config import deep_merge
 from grpo_core.trainer import Trainer
 from tests.helpers import fixed_rollout_batch
 
@@ -35,10 +36,12 @@ shared_calls = []
 _shared = scoring._shared_prefix_logits
 scoring._shared_prefix_logits = lambda *a, **k: shared_calls.append(1) or _shared(*a, **k)
 info = dist.init()
-cfg = GRPOConfig(model=model_dir, output_dir=out_file + ".d", loss_type=loss_type, beta=0.04, scale=scale,
-                 lr=1e-2, group_size=4, prompts_per_iter=groups * info.world_size, max_grad_norm=0.0,  # unused:
-                 # the batch below is fixed; the trainer only checks that prompts split across ranks
-                 micro_batch_groups=micro_batch_groups, **extra)
+fields = dict(runtime={"model": model_dir, "output_dir": out_file + ".d"},
+              loss={"type": loss_type, "beta": 0.04, "scale": scale}, optim={"lr": 1e-2, "max_grad_norm": 0.0},
+              sampling={"group_size": 4}, prompts_per_iter=groups * info.world_size,  # unused: the batch below
+              # is fixed; the trainer only checks that prompts split across ranks
+              execution={"micro_batch_groups": micro_batch_groups})
+cfg = GRPOConfig(**deep_merge(fields, extra))
 trainer = Trainer(cfg, info)
 batch = fixed_rollout_batch(groups, shared_prompts=prompts == "shared")
 B = len(batch)

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from grpo_core.config import GROUPS
+
 REPO = Path(__file__).resolve().parents[1]
 # GSM8K_DIR unset or empty (README's commands leave it empty without ../shared): the shared copy's place
 GSM8K_DIR = Path(__import__("os").environ.get("GSM8K_DIR") or REPO.parent / "shared" / "data" / "gsm8k").resolve()
@@ -26,7 +28,11 @@ def tiny_model_dir(path: Path, hidden: int = 64, layers: int = 2, seed: int = 0)
 
 
 def stage_args(**fields) -> list[str]:
-    return [f"--set={k}={json.dumps(v)}" for k, v in fields.items()]
+    """``--set`` arguments of grpo_core.train for config ``fields``; a group (a dict of a
+    config group's fields) becomes dotted keys, as a user would write them."""
+    groups = {*GROUPS, "runtime"}
+    return [f"--set={g}.{k}={json.dumps(v)}" for g, sub in fields.items() if g in groups for k, v in sub.items()] + \
+        [f"--set={k}={json.dumps(v)}" for k, v in fields.items() if k not in groups]
 
 
 def same_weights(a: Path, b: Path) -> bool:

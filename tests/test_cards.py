@@ -131,8 +131,9 @@ def _tiny_stage(tmp_path, iterations: int) -> dict:
     model = tmp_path / "model"  # built in a process of its own: this one has loaded metaflow
     subprocess.run([sys.executable, "-m", "grpo_core.models", "tiny", "--out", str(model)], check=True,
                    capture_output=True, cwd=REPO)
-    return GRPOConfig(model=str(model), output_dir=str(tmp_path / "out"), iterations=iterations, save_every=iterations,
-                      prompts_per_iter=2, group_size=2, max_new_tokens=8, task="arithmetic", sample_every=2,
+    return GRPOConfig(runtime=dict(model=str(model), output_dir=str(tmp_path / "out")), iterations=iterations,
+                      checkpoint=dict(every=iterations), prompts_per_iter=2,
+                      sampling=dict(group_size=2, max_new_tokens=8), task="arithmetic", sample_every=2,
                       rewards=[{"fn": "grpo_core.rewards:target_char_fraction"}]).to_dict()
 
 

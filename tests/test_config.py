@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core.config import ConfigError, GRPOConfig
+from grpo_core.config import GRPOConfig
+from grpo_core.config_checks import ConfigError
 from grpo_core.pipeline_config import PipelineConfig, deep_merge
 
 
@@ -53,9 +54,9 @@ def test_kubernetes_pod_fields_have_the_shapes_kubernetes_takes(compute, match):
 
 @pytest.mark.parametrize("metric", ["eval_accuracy", "informative_frac"])
 def test_a_gate_threshold_a_fraction_cannot_reach_is_refused(metric):
-    with pytest.raises(ConfigError, match=rf"gate_threshold: 1.5 can never be reached: {metric} is a fraction"):
-        GRPOConfig(gate_metric=metric, gate_threshold=1.5, eval_every=1)
-    assert GRPOConfig(gate_metric="reward", gate_threshold=1.5).gate_threshold == 1.5  # weighted rewards may exceed 1
+    with pytest.raises(ConfigError, match=rf"gate\.threshold: 1.5 can never be reached: {metric} is a fraction"):
+        GRPOConfig(gate=dict(metric=metric, threshold=1.5), validation=dict(every=1))
+    assert GRPOConfig(gate=dict(metric="reward", threshold=1.5)).gate.threshold == 1.5  # weighted rewards may exceed 1
 
 
 # ---------------------------------------------------------------- range checks at config load
@@ -84,10 +85,10 @@ def test_shipped_configs_validate(name):
 @pytest.mark.parametrize("patience", [0, -1])
 def test_gate_patience_below_one_is_refused(patience):
     """0 would promote before the first measurement: the stage trains no iteration at all."""
-    with pytest.raises(ConfigError, match=rf"stage 'curriculum'\.gate_patience: must be >= 1, got {patience}"):
-        PipelineConfig.from_dict({"curriculum": {"gate_metric": "reward", "gate_patience": patience}})
-    with pytest.raises(ConfigError, match=r"gate_patience"):
-        GRPOConfig(model="m", gate_patience=patience)
+    with pytest.raises(ConfigError, match=rf"stage 'curriculum'\.gate\.patience: must be >= 1, got {patience}"):
+        PipelineConfig.from_dict({"curriculum": {"gate": {"metric": "reward", "patience": patience}}})
+    with pytest.raises(ConfigError, match=r"gate\.patience"):
+        GRPOConfig(runtime=dict(model="m"), gate=dict(patience=patience))
 
 
 @pytest.mark.parametrize("override,match", [
@@ -101,17 +102,17 @@ def test_gate_patience_below_one_is_refused(patience):
     ({"register": {"alpha": math.nan}}, r"register\.alpha: .*got nan"),
     ({"register": {"alpha": math.inf}}, r"register\.alpha: .*got inf"),
     ({"sft": {"lr": math.inf}}, r"sft\.lr: must be a finite number > 0, got inf"),
-    ({"curriculum": {"gate_metric": "reward", "gate_threshold": math.nan}},
-     r"stage 'curriculum'\.gate_threshold: must be a finite number, got nan"),
-    ({"gsm8k": {"gate_threshold": math.inf}}, r"stage 'gsm8k'\.gate_threshold: must be a finite number"),
-    ({"gsm8k": {"eval_max_new_tokens": -1}},
-     r"stage 'gsm8k'\.eval_max_new_tokens: must be >= 0 \(0 = max_new_tokens\)"),
-    ({"gsm8k": {"max_resample_rounds": -1}}, r"stage 'gsm8k'\.max_resample_rounds: must be >= 0"),
-    ({"curriculum": {"clip_high": math.inf}}, r"stage 'curriculum'\.clip_high: must be a finite number >= 0"),
-    ({"curriculum": {"clip_high": math.nan}}, r"stage 'curriculum'\.clip_high"),
-    ({"curriculum": {"max_grad_norm": math.inf}},
-     r"stage 'curriculum'\.max_grad_norm: must be >= 0 and finite, got inf"),
-    ({"curriculum": {"lr": math.nan}}, r"stage 'curriculum'\.lr: must be a finite number > 0, got nan"),
+    ({"curriculum": {"gate": {"metric": "reward", "threshold": math.nan}}},
+     r"stage 'curriculum'\.gate\.threshold: must be a finite number, got nan"),
+    ({"gsm8k": {"gate": {"threshold": math.inf}}}, r"stage 'gsm8k'\.gate\.threshold: must be a finite number"),
+    ({"gsm8k": {"validation": {"max_new_tokens": -1}}},
+     r"stage 'gsm8k'\.validation\.max_new_tokens: must be >= 0, got -1"),
+    ({"gsm8k": {"sampling": {"max_resample_rounds": -1}}}, r"'gsm8k'\.sampling\.max_resample_rounds: must be >= 0"),
+    ({"curriculum": {"loss": {"clip_high": math.inf}}}, r"'curriculum'\.loss\.clip_high: must be a finite number >= 0"),
+    ({"curriculum": {"loss": {"clip_high": math.nan}}}, r"stage 'curriculum'\.loss\.clip_high"),
+    ({"curriculum": {"optim": {"max_grad_norm": math.inf}}},
+     r"stage 'curriculum'\.optim\.max_grad_norm: must be >= 0 and finite, got inf"),
+    ({"curriculum": {"optim": {"lr": math.nan}}}, r"'curriculum'\.optim\.lr: must be a finite number > 0, got nan"),
     ({"compute": {"threads_per_proc": 0}}, r"compute\.threads_per_proc: must be >= 1, got 0"),
     ({"compute": {"cpu": 0}}, r"compute\.cpu: must be >= 1, got 0"),
     ({"compute": {"memory": -8192}}, r"compute\.memory: must be >= 1, got -8192"),
@@ -129,11 +130,12 @@ def test_boundary_values_are_accepted():
         "evaluate": {"gsm8k_size": -1, "arithmetic_size": 1, "max_new_tokens": 1, "batch_size": 1},
         "register": {"alpha": 0.5, "primary": "arithmetic_test"},
         "compute": {"threads_per_proc": 1, "cpu": 1, "memory": 1, "gpu": 0, "shared_memory": 1, "disk": 1},
-        "curriculum": {"gate_metric": "reward", "gate_threshold": -0.5, "gate_patience": 1,
-                       "eval_max_new_tokens": 0, "max_resample_rounds": 0, "clip_high": 0.28},
+        "curriculum": {"gate": {"metric": "reward", "threshold": -0.5, "patience": 1},
+                       "validation": {"max_new_tokens": 0}, "sampling": {"max_resample_rounds": 0},
+                       "loss": {"clip_high": 0.28}},
     })
     assert pc.evaluate.gsm8k_size == -1 and pc.compute.disk == 1
-    assert pc.stage("curriculum", model="m").gate_patience == 1
+    assert pc.stage("curriculum", model="m").gate.patience == 1
 
 
 @pytest.mark.parametrize("root", [".grpo/artifacts", "/mnt/shared/artifacts", "gs://bucket/prefix", "file:///x"])
@@ -178,7 +180,7 @@ def test_kubernetes_config_without_resources_gets_the_defaults():
     cfg = _toml("kubernetes.toml")
     for key in ("gpu", "cpu", "memory", "shared_memory", "disk"):
         del cfg["compute"][key]
-    one_rank = {"prompts_per_iter": 64, "parallelism": "ddp"}  # fsdp2 needs >= 2 ranks
+    one_rank = {"prompts_per_iter": 64, "execution": {"parallelism": "ddp"}}  # fsdp2 needs >= 2 ranks
     cfg = deep_merge(cfg, {"compute": {"nproc_per_node": 1}, "curriculum": one_rank, "gsm8k": one_rank})
     c = PipelineConfig.from_dict(cfg).compute
     assert (c.gpu, c.cpu, c.memory, c.shared_memory, c.disk) == (0, 2, 8192, None, None)
@@ -218,16 +220,17 @@ def test_the_readme_config_reference_is_the_one_generated_from_the_field_docstri
     what ``python -m grpo_core.config_reference`` makes of them, and every field must have one."""
     import dataclasses
 
-    from grpo_core.config import LoraSettings
-    from grpo_core.config_reference import RUNTIME, TABLES, field_docs, reference, replaced
+    from grpo_core.config import GROUPS, StageRuntime
+    from grpo_core.config_reference import TABLES, field_docs, reference, replaced
     from grpo_core.pipeline_config import ComputeConfig, EvalConfig, RegisterConfig, SFTConfig
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     fix = "python -m grpo_core.config_reference --write README.md"
     assert replaced(readme) == readme, f"README's config reference drifted from the docstrings: {fix}"
-    for cls in (PipelineConfig, ComputeConfig, SFTConfig, GRPOConfig, LoraSettings, EvalConfig, RegisterConfig):
-        undocumented = [f.name for f in dataclasses.fields(cls)
-                        if f.name not in field_docs(cls) and f.name not in TABLES + RUNTIME]
+    for cls in (PipelineConfig, ComputeConfig, SFTConfig, GRPOConfig, *GROUPS.values(), StageRuntime, EvalConfig,
+                RegisterConfig):
+        docs = field_docs(cls)
+        undocumented = [f.name for f in dataclasses.fields(cls) if f.name not in docs and f.name not in TABLES]
         assert not undocumented, f"{cls.__name__} fields without a docstring: {undocumented}"
     table = reference()
     assert "| `micro_batch_groups` | `0` |" in table and "| `primary` | `\"gsm8k_test\"` |" in table

@@ -37,7 +37,7 @@ def test_arithmetic_splits_are_disjoint_cover_everything_and_keep_commuted_twins
 def test_the_curriculum_gate_selects_on_validation_and_the_evaluation_reports_test():
     cfg = PipelineConfig.from_dict({"evaluate": {"gsm8k_size": -1, "arithmetic_size": 500},
                                     "register": {"primary": "arithmetic_test"}})
-    stage = GRPOConfig(task="arithmetic", model="-")
+    stage = GRPOConfig(task="arithmetic", runtime=dict(model="-"))
     validation, training = _ids(eval_rows(stage, 10_000)), _ids(train_rows(stage))
     params = arithmetic.TASK.params_of(cfg.stage("curriculum", model="-"))
     reported = _ids(eval_sets(cfg.evaluate, {"arithmetic": params})["arithmetic_test"])
@@ -52,7 +52,7 @@ def test_gsm8k_validation_comes_from_train_and_is_never_trained_on(monkeypatch):
     train, validation = gsm8k.rows("train", source), gsm8k.rows("validation", source)
     assert len(train) + len(validation) == 7473 and 0.03 < len(validation) / 7473 < 0.07
     assert not _ids(train) & _ids(validation)
-    stage = GRPOConfig(task="gsm8k", model="-", gsm8k_source=source)
+    stage = GRPOConfig(task="gsm8k", runtime=dict(model="-"), gsm8k_source=source)
     periodic = eval_rows(stage, 100)
     assert len(periodic) == 100 and _ids(periodic) <= _ids(validation)
     assert not _ids(periodic) & _ids(train_rows(stage))
@@ -126,16 +126,16 @@ def test_a_new_task_is_one_file_that_config_training_and_evaluation_pick_up(tmp_
     """Dropping a module that defines TASK into the tasks package is the whole change: the stage
     config accepts its name, training and the gate read its splits, the evaluation its test split."""
     import grpo_core.tasks as tasks_pkg
-    from grpo_core.config import ConfigError
+    from grpo_core.config_checks import ConfigError
     from grpo_core.pipeline_config import EvalConfig
 
     (tmp_path / "parity.py").write_text(PARITY_TASK)
     with pytest.raises(ConfigError, match="parity"):
-        GRPOConfig(task="parity", model="-")
+        GRPOConfig(task="parity", runtime=dict(model="-"))
     monkeypatch.setattr(tasks_pkg, "__path__", [*tasks_pkg.__path__, str(tmp_path)])
     tasks_pkg.registry.cache_clear()
     try:
-        stage = GRPOConfig(task="parity", model="-", arithmetic_max=99)
+        stage = GRPOConfig(task="parity", runtime=dict(model="-"), arithmetic_max=99)
         train, validation = _ids(train_rows(stage)), _ids(eval_rows(stage, 1000))
         assert train and validation and not train & validation and len(train | validation) < 100
         test = eval_sets(EvalConfig(), {"parity": {"arithmetic_max": 99}})  # no size field: all of it

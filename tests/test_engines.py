@@ -3,7 +3,8 @@ and a stage's ``rollout_engine`` picks the engine by name."""
 import pytest
 
 from grpo_core import engines
-from grpo_core.config import ConfigError, GRPOConfig
+from grpo_core.config import GRPOConfig
+from grpo_core.config_checks import ConfigError
 from grpo_core.models import build_tiny
 from grpo_core.train import main
 from tests.helpers import SEVENS, stage_args
@@ -11,12 +12,13 @@ from tests.helpers import SEVENS, stage_args
 
 def test_an_engine_registered_in_engines_is_accepted_by_the_config(monkeypatch):
     monkeypatch.setitem(engines.ENGINES, "vllm", lambda tok: engines.InProcessEngine(tok, "auto"))
-    assert GRPOConfig(model="m", output_dir="o", rollout_engine="vllm").rollout_engine == "vllm"
+    cfg = GRPOConfig(runtime=dict(model="m", output_dir="o"), sampling=dict(rollout_engine="vllm"))
+    assert cfg.sampling.rollout_engine == "vllm"
 
 
 def test_an_unknown_engine_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match=r"rollout_engine.*'vllm'.*auto.*decoder.*generate"):
-        GRPOConfig(model="m", output_dir="o", rollout_engine="vllm")
+        GRPOConfig(runtime=dict(model="m", output_dir="o"), sampling=dict(rollout_engine="vllm"))
 
 
 class RecordingEngine(engines.InProcessEngine):
@@ -49,8 +51,10 @@ def test_the_trainer_samples_only_through_the_selected_engine(tiny, tmp_path, mo
 
     monkeypatch.setattr(trainer_mod.Trainer, "__init__", init)
     RecordingEngine.calls = []
-    main(stage_args(model=str(tiny), output_dir=str(tmp_path), rewards=SEVENS, iterations=2, prompts_per_iter=3,
-                    group_size=4, max_new_tokens=7, temperature=0.9, save_every=2, rollout_engine="generate"))
+    main(stage_args(runtime=dict(model=str(tiny), output_dir=str(tmp_path)), rewards=SEVENS, iterations=2,
+                    prompts_per_iter=3,
+                    sampling=dict(group_size=4, max_new_tokens=7, temperature=0.9, rollout_engine="generate"),
+                    checkpoint=dict(every=2)))
     calls = RecordingEngine.calls
     assert [c[0] for c in calls] == ["sync", "generate"] * 2  # before each of the 2 rollouts
     assert all(c[1] is policies[0] for c in calls if c[0] == "sync")

@@ -25,10 +25,10 @@ TRAINING_STEPS = {s.step for s in GRPO_STAGES}  # the stage table names the flow
 TINY = {
     "name": "tiny",
     "sft": {"steps": 30},
-    "curriculum": {"iterations": 2, "prompts_per_iter": 4, "group_size": 4, "max_new_tokens": 12,
-                   "save_every": 2, "eval_every": 2, "eval_size": 8},
-    "gsm8k": {"iterations": 4, "prompts_per_iter": 2, "group_size": 4, "max_new_tokens": 12,
-              "save_every": 2, "eval_size": 4},
+    "curriculum": {"iterations": 2, "prompts_per_iter": 4, "sampling": {"group_size": 4, "max_new_tokens": 12},
+                   "checkpoint": {"every": 2}, "validation": {"every": 2, "size": 8}},
+    "gsm8k": {"iterations": 4, "prompts_per_iter": 2, "sampling": {"group_size": 4, "max_new_tokens": 12},
+              "checkpoint": {"every": 2}, "validation": {"size": 4}},
     "evaluate": {"gsm8k_size": 8, "arithmetic_size": 16, "max_new_tokens": 12},
 }
 
@@ -187,7 +187,7 @@ def test_mlflow_records_every_stage_without_duplicate_steps(crashed_and_resumed)
     steps = [m.step for m in client.get_metric_history(children["gsm8k"].info.run_id, "reward")]
     assert steps == [1, 2, 3, 4], steps  # iteration 3 ran twice, but was logged once
     gsm = children["gsm8k"]
-    assert gsm.data.params["loss_type"] == "dapo" and "objective.normaliser" in gsm.data.params
+    assert gsm.data.params["loss.type"] == "dapo" and "objective.normaliser" in gsm.data.params
     assert {d.dataset.name for d in gsm.inputs.dataset_inputs} == {"gsm8k_train"}  # no eval_every, no gate
     curriculum_data = {d.dataset.name for d in children["curriculum"].inputs.dataset_inputs}
     assert curriculum_data == {"arithmetic_train", "arithmetic_validation"}
@@ -393,8 +393,9 @@ def _tiny_stage(tmp_path, iterations: int) -> dict:
     model = tmp_path / "model"  # built in a process of its own: this one has loaded metaflow's typing_extensions
     subprocess.run([sys.executable, "-m", "grpo_core.models", "tiny", "--out", str(model)], check=True,
                    capture_output=True, cwd=REPO)
-    return GRPOConfig(model=str(model), output_dir=str(tmp_path / "out"), iterations=iterations, save_every=iterations,
-                      prompts_per_iter=2, group_size=2, max_new_tokens=8, task="arithmetic",
+    return GRPOConfig(runtime=dict(model=str(model), output_dir=str(tmp_path / "out")), iterations=iterations,
+                      checkpoint=dict(every=iterations), prompts_per_iter=2,
+                      sampling=dict(group_size=2, max_new_tokens=8), task="arithmetic",
                       rewards=[{"fn": "grpo_core.rewards:target_char_fraction"}]).to_dict()
 
 

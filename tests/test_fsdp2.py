@@ -13,13 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_core import checkpoint, storage
-from grpo_core.config import ConfigError, GRPOConfig
-from grpo_core.pipeline_config import PipelineConfig
+from grpo_core.config import GRPOConfig
+from grpo_core.config_checks import ConfigError
+from grpo_core.pipeline_config import PipelineConfig, deep_merge
 from tests.helpers import same_weights
 from tests.test_reliability import _finish, _iterations, _torchrun, _wait_for_iteration, _worker
 from tests.test_trainer import _update
 
-FSDP2 = {"parallelism": "fsdp2"}
+FSDP2 = {"execution": {"parallelism": "fsdp2"}}
 
 
 def test_fsdp2_update_equals_ddp_and_one_process_with_half_the_memory_per_rank(tiny, tmp_path):
@@ -44,7 +45,7 @@ def test_fsdp2_micro_batches_and_bf16_follow_the_full_batch_update(tiny, tmp_pat
     gradient; bf16 through FSDP's mixed-precision policy gives nearly the same direction."""
     one, _ = _update(tiny, tmp_path / "one.st", 1, "dapo")
     micro, _ = _update(tiny, tmp_path / "micro.st", 2, "dapo", micro_batch_groups=1, **FSDP2)
-    bf16, _ = _update(tiny, tmp_path / "bf16.st", 2, "dapo", precision="bf16", **FSDP2)
+    bf16, _ = _update(tiny, tmp_path / "bf16.st", 2, "dapo", execution={"parallelism": "fsdp2", "precision": "bf16"})
     for k in one:
         assert torch.allclose(micro[k], one[k], atol=1e-7, rtol=1e-4), k
     flat = lambda g: torch.cat([g[k].flatten().double() for k in sorted(one)])  # noqa: E731
@@ -64,7 +65,8 @@ def test_fsdp2_ranks_with_different_numbers_of_micro_batches_equal_one_process(t
 
 
 def test_fsdp2_killed_run_resumes_from_its_sharded_checkpoint_to_the_uninterrupted_weights(tiny, tmp_path):
-    kw = dict(iterations=6, save_every=2, keep_checkpoints=2, beta=0.04, eval_every=3, eval_size=4, **FSDP2)
+    kw = dict(iterations=6, checkpoint=dict(every=2, keep=2), loss=dict(beta=0.04), validation=dict(every=3, size=4),
+              **FSDP2)
     killed, straight = tmp_path / "killed", tmp_path / "straight"
     log = tmp_path / "killed.log"
     proc = _torchrun(tiny, killed, log, **kw)
@@ -111,27 +113,28 @@ def test_a_sharded_checkpoint_is_not_loaded_as_a_ddp_one(tiny, tmp_path):
     (ckpt / checkpoint.MANIFEST).write_text(json.dumps(
         {p.name: {"size": p.stat().st_size, "sha256": storage.sha256_file(p)} for p in ckpt.iterdir()}))
     with pytest.raises(ValueError, match=r"parallelism = 'fsdp2'.*Resume with parallelism = 'fsdp2'"):
-        main(stage_args(model=str(tiny), output_dir=str(tmp_path), rewards=SEVENS, iterations=3,
-                        prompts_per_iter=2, group_size=2, max_new_tokens=4))
+        main(stage_args(runtime=dict(model=str(tiny), output_dir=str(tmp_path)), rewards=SEVENS, iterations=3,
+                        prompts_per_iter=2, sampling=dict(group_size=2, max_new_tokens=4)))
 
 
 @pytest.mark.parametrize("fields,match", [
-    ({"lora": {"rank": 4}}, r"stage 'curriculum'\.parallelism: 'fsdp2' with LoRA"),
-    ({"compile_scoring": True}, r"stage 'curriculum'\.parallelism: 'fsdp2' with compile_scoring"),
-    ({"parallelism": "zero3"}, r"stage 'curriculum'\.parallelism"),
+    ({"lora": {"rank": 4}}, r"stage 'curriculum'\.execution\.parallelism: 'fsdp2' with LoRA"),
+    ({"execution": {"compile_scoring": True}},
+     r"stage 'curriculum'\.execution\.parallelism: 'fsdp2' with compile_scoring"),
+    ({"execution": {"parallelism": "zero3"}}, r"stage 'curriculum'\.execution\.parallelism"),
 ])
 def test_settings_fsdp2_cannot_run_with_are_refused_by_name(fields, match):
     with pytest.raises(ConfigError, match=match):
-        GRPOConfig(stage="curriculum", **{**FSDP2, **fields})
+        GRPOConfig(runtime=dict(stage="curriculum"), **deep_merge(FSDP2, fields))
 
 
 def test_fsdp2_on_one_rank_is_refused_in_the_config_and_in_the_stage(tiny, tmp_path):
-    with pytest.raises(ConfigError, match=r"curriculum\.parallelism: 'fsdp2' shards over ranks.*nproc_per_node = 1"):
+    with pytest.raises(ConfigError, match=r"curriculum\.execution\.parallelism: 'fsdp2' shards.*nproc_per_node = 1"):
         PipelineConfig.from_dict({"curriculum": FSDP2, "compute": {"nproc_per_node": 1}})
     PipelineConfig.from_dict({"curriculum": FSDP2, "compute": {"nproc_per_node": 2}})  # accepted
     from grpo_core import dist
     from grpo_core.trainer import Trainer
 
-    cfg = GRPOConfig(model=str(tiny), output_dir=str(tmp_path), **FSDP2)
+    cfg = GRPOConfig(runtime=dict(model=str(tiny), output_dir=str(tmp_path)), **FSDP2)
     with pytest.raises(ConfigError, match=r"parallelism: 'fsdp2' shards over ranks.*torchrun --nproc_per_node >= 2"):
         Trainer(cfg, dist.init())

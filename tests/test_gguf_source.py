@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from grpo_core import gguf_source, storage
-from grpo_core.config import ConfigError
+from grpo_core.config_checks import ConfigError
 from grpo_core.pipeline_config import PipelineConfig
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

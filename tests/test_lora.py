@@ -8,9 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_core import lora
-from grpo_core.config import ConfigError, GRPOConfig
+from grpo_core.config import GRPOConfig
+from grpo_core.config_checks import ConfigError
 from grpo_core.decode import fast_decode_supported, sample_shared_prefix
 from grpo_core.models import load_policy, save_policy
+from grpo_core.pipeline_config import deep_merge
 from grpo_core.rollout import _generate, encode_prompts
 from grpo_core.scoring import completion_logprobs
 from grpo_core.train import load_config, main
@@ -26,8 +28,9 @@ LORA = {"rank": 4, "alpha": 8.0}
 
 def _trainer(tiny, out, **kw) -> Trainer:
     """One update per ``update()`` call (mu = 1), as the tests below count steps."""
-    return _in_process_trainer(tiny, out, **{**dict(lr=1e-2, prompts_per_iter=2, max_new_tokens=7, max_grad_norm=0.0,
-                                                    mu=1, lora=LORA), **kw})
+    base = dict(optim=dict(lr=1e-2, max_grad_norm=0.0, mu=1), prompts_per_iter=2, sampling=dict(max_new_tokens=7),
+                lora=LORA)
+    return _in_process_trainer(tiny, out, **deep_merge(base, kw))
 
 
 def _logp(model, batch) -> torch.Tensor:
@@ -122,7 +125,7 @@ def test_adapter_dropout_while_training_falls_back_to_generate(tiny, tmp_path):
 
 
 def _stage(tiny, out, **kw):
-    return trainer_stage(tiny, out, **{"lr": 3e-2, "lora": LORA, **kw})
+    return trainer_stage(tiny, out, **deep_merge({"optim": {"lr": 3e-2}, "lora": LORA}, kw))
 
 
 def test_lora_checkpoints_hold_the_adapters_and_resume_bitwise(tiny, tmp_path):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from grpo_core import losses
-from grpo_core.config import ConfigError, GRPOConfig
+from grpo_core.config import GRPOConfig
+from grpo_core.config_checks import ConfigError
 from grpo_core.losses import grpo_loss
 from grpo_core.objective import objective_card
 
@@ -63,12 +64,12 @@ def test_on_policy_gradient_equals_the_loss_it_generalises(loss_type, same_as):
 
 def test_every_entry_reaches_the_config_and_the_objective_card():
     for name, entry in losses.LOSS_TYPES.items():
-        cfg = GRPOConfig(loss_type=name, clip_low=0.2, clip_high=0.28)
+        cfg = GRPOConfig(loss=dict(type=name, clip_low=0.2, clip_high=0.28))
         card = objective_card(cfg, world_size=1)
         assert card["loss_type"] == name and card["normaliser"] == entry.normaliser
         assert "0.8" in card["surrogate"] and "1.28" in card["surrogate"]
-    with pytest.raises(ConfigError, match=r"loss_type: .ppo. is not allowed; use one of grpo, bnpo, dapo, dr_grpo, gs"):
-        GRPOConfig(loss_type="ppo")
+    with pytest.raises(ConfigError, match=r"loss\.type: .ppo. is not allowed; use one of grpo, bnpo, dapo, dr_grpo"):
+        GRPOConfig(loss=dict(type="ppo"))
 
 
 def test_a_new_entry_is_one_dict_item(monkeypatch):
@@ -80,7 +81,7 @@ def test_a_new_entry_is_one_dict_item(monkeypatch):
     entry = losses.LossType(zero_term, losses._agg_global_token_mean, losses._weight_global_tokens,
                             "0", "token mean", "nothing")
     monkeypatch.setitem(losses.LOSS_TYPES, "zero", entry)
-    assert GRPOConfig(loss_type="zero").loss_type == "zero"
+    assert GRPOConfig(loss=dict(type="zero")).loss.type == "zero"
     logp = torch.zeros(1, 2, requires_grad=True)
     loss, stats = grpo_loss(logp, logp.detach(), None, torch.ones(1), torch.ones(1, 2, dtype=torch.bool),
                             beta=0.0, loss_type="zero")

@@ -11,20 +11,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_core.config import ConfigError, GRPOConfig
+from grpo_core.config import GRPOConfig
+from grpo_core.config_checks import ConfigError
+from grpo_core.pipeline_config import deep_merge
 from grpo_core.train import load_config, main
 from tests.helpers import SEVENS, fixed_rollout_batch, stage_args
 
 
 def _stage(tiny, out, **kw):
-    base = dict(model=str(tiny), output_dir=str(out), rewards=SEVENS, iterations=2, lr=3e-3, beta=0.04,
-                prompts_per_iter=4, group_size=4, save_every=2, max_new_tokens=12, mu=2)
-    return stage_args(**{**base, **kw})
+    base = dict(runtime=dict(model=str(tiny), output_dir=str(out)), rewards=SEVENS, iterations=2,
+                optim=dict(lr=3e-3, mu=2), loss=dict(beta=0.04), prompts_per_iter=4,
+                sampling=dict(group_size=4, max_new_tokens=12), checkpoint=dict(every=2))
+    return stage_args(**deep_merge(base, kw))
 
 
 def test_precision_must_be_fp32_or_bf16():
-    with pytest.raises(ConfigError, match=r"stage 'grpo'\.precision: 'fp16' is not allowed; use one of fp32, bf16"):
-        GRPOConfig(precision="fp16")
+    with pytest.raises(ConfigError, match=r"'grpo'\.execution\.precision: 'fp16' is not allowed; use one of"):
+        GRPOConfig(execution=dict(precision="fp16"))
 
 
 def _update(tiny, out, precision, **kw):
@@ -33,8 +36,9 @@ def _update(tiny, out, precision, **kw):
     from grpo_core import dist
     from grpo_core.trainer import Trainer
 
-    cfg = load_config(None, [a.removeprefix("--set=") for a in _stage(
-        tiny, out, precision=precision, max_grad_norm=0.0, lr=1e-7, max_new_tokens=7, **kw)])
+    fields = dict(execution=dict(precision=precision), optim=dict(max_grad_norm=0.0, lr=1e-7),
+                  sampling=dict(max_new_tokens=7))
+    cfg = load_config(None, [a.removeprefix("--set=") for a in _stage(tiny, out, **deep_merge(fields, kw))])
     trainer = Trainer(cfg, dist.init())
     batch = fixed_rollout_batch(2)
     batch.advantages = trainer.advantages(batch.rewards)
@@ -90,7 +94,7 @@ def test_bf16_decoder_samples_what_bf16_scoring_scores(tiny):
 
 
 def test_a_bf16_stage_trains_saves_float32_and_records_its_precision(tiny, tmp_path):
-    summary = main(_stage(tiny, tmp_path, precision="bf16", eval_every=1, eval_size=4))
+    summary = main(_stage(tiny, tmp_path, execution=dict(precision="bf16"), validation=dict(every=1, size=4)))
     assert summary["iterations_run"] == 2
     rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for key in ("loss", "kl", "grad_norm", "entropy", "eval_accuracy"):
@@ -108,7 +112,7 @@ def test_gradient_checkpointing_gives_the_same_update(tiny, tmp_path):
     from grpo_core.scoring import _replays_layers
 
     _, plain, s_plain, _ = _update(tiny, tmp_path / "plain", "fp32")
-    trainer, ckpt, s_ckpt, _ = _update(tiny, tmp_path / "ckpt", "fp32", gradient_checkpointing=True)
+    trainer, ckpt, s_ckpt, _ = _update(tiny, tmp_path / "ckpt", "fp32", execution={"gradient_checkpointing": True})
     assert _replays_layers(trainer.model)
     assert plain.keys() == ckpt.keys()
     for k in plain:
@@ -118,7 +122,7 @@ def test_gradient_checkpointing_gives_the_same_update(tiny, tmp_path):
 
 
 def test_gradient_checkpointing_stage_saves_a_model_that_generates_with_its_cache(tiny, tmp_path):
-    main(_stage(tiny, tmp_path, gradient_checkpointing=True, precision="bf16"))
+    main(_stage(tiny, tmp_path, execution=dict(gradient_checkpointing=True, precision="bf16")))
     config = json.loads((tmp_path / "final" / "config.json").read_text())
     assert config.get("use_cache", True) is True
     assert "gradient_checkpointing" not in json.dumps(config)
@@ -149,8 +153,8 @@ def test_every_phase_runs_in_the_stage_precision_and_only_the_update_replays_lay
                                 (trainer_mod, "completion_logprobs", "update"),
                                 (trainer_mod, "greedy_results", "eval")):
         monkeypatch.setattr(module, name, spy(phase, getattr(module, name)))
-    main(_stage(tiny, tmp_path, precision=precision, gradient_checkpointing=checkpointing, iterations=1,
-                save_every=1, eval_every=1, eval_size=4))
+    main(_stage(tiny, tmp_path, execution=dict(precision=precision, gradient_checkpointing=checkpointing),
+                iterations=1, checkpoint=dict(every=1), validation=dict(every=1, size=4)))
     amp = precision == "bf16"
     assert seen == {"rollout": {(amp, False)}, "ref_old": {(amp, False)}, "update": {(amp, checkpointing)},
                     "eval": {(amp, False)}}, seen

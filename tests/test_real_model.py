@@ -128,8 +128,9 @@ def test_one_grpo_iteration_under_torchrun_trains_the_real_model(smol_cache, tmp
     name, so each rank converts it through ``load_policy`` and finds the cached conversion."""
     cache, record = smol_cache
     out = tmp_path / "stage"
-    args = stage_args(model=PACKAGED, output_dir=str(out), task="arithmetic", iterations=1, prompts_per_iter=2,
-                      group_size=4, max_new_tokens=16, lr=1e-5, beta=0.04, save_every=1,
+    args = stage_args(runtime=dict(model=PACKAGED, output_dir=str(out)), task="arithmetic", iterations=1,
+                      prompts_per_iter=2, sampling=dict(group_size=4, max_new_tokens=16), optim=dict(lr=1e-5),
+                      loss=dict(beta=0.04), checkpoint=dict(every=1),
                       rewards=[{"fn": "grpo_core.rewards:target_char_fraction", "weight": 1.0},
                                {"fn": "grpo_core.rewards:gsm8k_correctness", "weight": 1.0}])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

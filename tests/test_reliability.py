@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grpo_core import checkpoint, storage
-from grpo_core.config import ConfigError
-from grpo_core.pipeline_config import PipelineConfig
+from grpo_core.config_checks import ConfigError
+from grpo_core.pipeline_config import PipelineConfig, deep_merge
 from grpo_core.train import main
 from grpo_core.trainer import NonFiniteError
 from tests import faulty_rewards
@@ -38,9 +38,10 @@ TORCHRUN_TIMEOUT_S = 240
 
 
 def _stage(tiny, out, **kw) -> list[str]:
-    base = dict(model=str(tiny), output_dir=str(out), rewards=SEVENS, iterations=4, lr=3e-3, beta=0.0,
-                prompts_per_iter=4, group_size=4, save_every=2, max_new_tokens=8)
-    return stage_args(**{**base, **kw})
+    base = dict(runtime=dict(model=str(tiny), output_dir=str(out)), rewards=SEVENS, iterations=4, optim=dict(lr=3e-3),
+                loss=dict(beta=0.0), prompts_per_iter=4, sampling=dict(group_size=4, max_new_tokens=8),
+                checkpoint=dict(every=2))
+    return stage_args(**deep_merge(base, kw))
 
 
 def _iterations(out: Path) -> list[int]:
@@ -101,7 +102,7 @@ def _worker(torchrun_pid: int, rank: int) -> psutil.Process:
 def test_sigkill_of_a_torchrun_worker_then_rerun_resumes_bitwise(tiny, tmp_path):
     """SIGKILL rank 0 (the checkpoint writer) mid-run: torchrun fails, the latest checkpoint
     verifies, the same command resumes, and the weights equal an uninterrupted run's."""
-    kw = dict(iterations=8, save_every=2, keep_checkpoints=2)
+    kw = dict(iterations=8, checkpoint=dict(every=2, keep=2))
     killed, straight = tmp_path / "killed", tmp_path / "straight"
     log = tmp_path / "killed.log"
     proc = _torchrun(tiny, killed, log, **kw)
@@ -174,14 +175,14 @@ def test_pruning_after_a_save_keeps_it_whatever_newer_leftovers_look_like(tmp_pa
 
 
 def test_resume_skips_a_truncated_checkpoint_and_still_matches(tiny, tmp_path):
-    main(_stage(tiny, tmp_path, keep_checkpoints=3))
+    main(_stage(tiny, tmp_path, checkpoint=dict(keep=3)))
     reference = tmp_path / "reference"
     shutil.copytree(tmp_path / "final", reference)
     model_file = tmp_path / "checkpoints" / "ckpt-000004" / "model.safetensors"
     model_file.write_bytes(model_file.read_bytes()[:-64])  # truncated
 
     with pytest.warns(UserWarning, match="ckpt-000004 is incomplete or corrupt"):
-        summary = main(_stage(tiny, tmp_path, keep_checkpoints=3))
+        summary = main(_stage(tiny, tmp_path, checkpoint=dict(keep=3)))
     assert summary["resumed_from_iteration"] == 2 and summary["iterations_run"] == 4
     assert _iterations(tmp_path) == [1, 2, 3, 4]
     assert same_weights(reference, tmp_path / "final")  # redoing 3..4 from ckpt-2 is exact
@@ -195,7 +196,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_stage(tiny, tmp_path):
     """Rewards of 1e38 with scale='none' overflow the gradient (a real NaN, no mock).
     Call 2 alone: one skip, counted, training goes on. Calls 5-7: three in a row stop the stage."""
     faulty_rewards.reset({2, 5, 6, 7})
-    args = _stage(tiny, tmp_path, iterations=8, keep_checkpoints=3, scale="none",
+    args = _stage(tiny, tmp_path, iterations=8, checkpoint=dict(keep=3), loss=dict(scale="none"),
                   rewards=[{"fn": "tests.faulty_rewards:huge_on_calls"}])
     with pytest.raises(NonFiniteError, match=r"3 non-finite updates in a row.*loss=.*grad_norm=(nan|inf).*intact"):
         main(args)
@@ -330,7 +331,7 @@ def test_a_rank_on_another_node_fetches_rank_0s_checkpoint_from_storage(s3, tmp_
     stage = "s3://ckpts/other-node"
     _put_checkpoint(tmp_path, storage.join(stage, "checkpoints"), 2)
     _put_checkpoint(tmp_path, storage.join(stage, "checkpoints"), 4)
-    cfg = SimpleNamespace(resume_from=["s3://ckpts/absent-run", stage])
+    cfg = SimpleNamespace(runtime=SimpleNamespace(resume_from=["s3://ckpts/absent-run", stage]))
     node1 = StageCheckpoints(cfg, DistInfo(3, 4, 1, torch.device("cpu")), tmp_path / "node-1")
     chosen_on_node0 = tmp_path / "node-0-disk" / "scratch" / "0123abcd-ckpt-000002"  # not here
     got = node1.readable(chosen_on_node0)
@@ -428,13 +429,13 @@ def test_training_completes_while_the_mlflow_server_is_down(tiny, tmp_path, monk
     monkeypatch.setattr(MlflowTracker.__init__, "__kwdefaults__",
                         {**MlflowTracker.__init__.__kwdefaults__, "max_retries": 1, "backoff_s": 0.05})
     dead = f"http://127.0.0.1:{free_port()}"
-    summary = main(_stage(tiny, tmp_path, tracking_uri=dead, tracking_run_id="0" * 32))
+    summary = main(_stage(tiny, tmp_path, runtime=dict(tracking_uri=dead, tracking_run_id="0" * 32)))
     assert summary["iterations_run"] == 4 and (tmp_path / "final" / "model.safetensors").exists()
     assert summary["tracking_delayed_points"] > 0
     spill = [json.loads(ln) for ln in (tmp_path / "pending_metrics.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in spill if r["kind"] == "metric" and r["key"] == "reward"}) == [1, 2, 3, 4]
     # params wait for the server too (sent if the run lacks them: a rerun of the step reuses its run)
-    assert any(r["kind"] == "param_if_absent" and r["key"] == "lr" for r in spill)
+    assert any(r["kind"] == "param_if_absent" and r["key"] == "optim.lr" for r in spill)
 
 
 def test_an_outage_then_a_crash_loses_no_point_and_no_param(tiny, tmp_path, monkeypatch):
@@ -454,15 +455,17 @@ def test_an_outage_then_a_crash_loses_no_point_and_no_param(tiny, tmp_path, monk
     run_id = client.create_run(client.create_experiment("outage-crash")).info.run_id
     dead = f"http://127.0.0.1:{free_port()}"
     with crash_after_iteration(3), pytest.raises(InjectedFault):
-        main(_stage(tiny, tmp_path / "a", tracking_uri=dead, tracking_run_id=run_id,
-                    sync_uri=str(tmp_path / "store")))
-    client.log_param(run_id, "output_dir", "first attempt's")  # as if it had reached the store
+        main(_stage(tiny, tmp_path / "a",
+                    runtime=dict(tracking_uri=dead, tracking_run_id=run_id, sync_uri=str(tmp_path / "store"))))
+    client.log_param(run_id, "runtime.output_dir", "first attempt's")  # as if it had reached the store
     for attempt, origin in (("b", "store"), ("c", "b/store")):  # c resumes b's finished stage: a resend only
-        main(_stage(tiny, tmp_path / attempt, tracking_uri=store, tracking_run_id=run_id,
-                    resume_from=[str(tmp_path / origin)], sync_uri=str(tmp_path / attempt / "store")))
+        main(_stage(tiny, tmp_path / attempt, runtime=dict(
+            tracking_uri=store, tracking_run_id=run_id, resume_from=[str(tmp_path / origin)],
+            sync_uri=str(tmp_path / attempt / "store"))))
     assert sorted(m.step for m in client.get_metric_history(run_id, "reward")) == [1, 2, 3, 4]
     params = client.get_run(run_id).data.params
-    assert params["lr"] == "0.003" and params["output_dir"] == "first attempt's" and "objective.normaliser" in params
+    assert params["optim.lr"] == "0.003" and params["runtime.output_dir"] == "first attempt's"
+    assert "objective.normaliser" in params
 
 
 def test_points_kept_during_an_outage_are_replayed_by_a_later_step(tiny, tmp_path, monkeypatch):
@@ -481,15 +484,15 @@ def test_points_kept_during_an_outage_are_replayed_by_a_later_step(tiny, tmp_pat
     client = MlflowClient(store)
     run_id = client.create_run(client.create_experiment("outage")).info.run_id
     dead = f"http://127.0.0.1:{free_port()}"
-    summary = main(_stage(tiny, tmp_path / "scratch", tracking_uri=dead, tracking_run_id=run_id,
-                          sync_uri=str(tmp_path / "store")))
+    summary = main(_stage(tiny, tmp_path / "scratch",
+                          runtime=dict(tracking_uri=dead, tracking_run_id=run_id, sync_uri=str(tmp_path / "store"))))
     assert summary["tracking_pending_uri"] == str(tmp_path / "store" / "pending_metrics.jsonl")
     assert client.get_metric_history(run_id, "reward") == []
     shutil.rmtree(tmp_path / "scratch")  # the pod is gone
     assert replay_tracking(dead, [summary]) == 0  # still down: a warning, the file stays
     assert replay_tracking(store, [summary]) == replay_tracking(store, [summary]) > 0
     assert sorted(m.step for m in client.get_metric_history(run_id, "reward")) == [1, 2, 3, 4]
-    assert client.get_run(run_id).data.params["lr"] == "0.003"
+    assert client.get_run(run_id).data.params["optim.lr"] == "0.003"
 
 
 # ---------------------------------------------------------------- 6. disk full
@@ -583,9 +586,10 @@ def test_checkpoints_and_saved_models_reach_the_disk_before_their_rename(tmp_pat
 @pytest.mark.parametrize("override,match", [
     ({"compute": {"nproc_per_node": 2}, "curriculum": {"prompts_per_iter": 3}},
      r"curriculum\.prompts_per_iter: 3 prompts cannot be split across 2 ranks.*multiple of 2"),
-    ({"gsm8k": {"gate_metric": "eval_accuracy", "eval_every": 0}}, r"stage 'gsm8k'\.gate_metric.*set eval_every"),
-    ({"gsm8k": {"group_size": 1}}, r"stage 'gsm8k'\.group_size.*group_size >= 2"),
-    ({"curriculum": {"clip_low": -0.2}}, r"stage 'curriculum'\.clip_low: must be >= 0"),
+    ({"gsm8k": {"gate": {"metric": "eval_accuracy"}, "validation": {"every": 0}}},
+     r"stage 'gsm8k'\.gate\.metric.*set validation\.every"),
+    ({"gsm8k": {"sampling": {"group_size": 1}}}, r"stage 'gsm8k'\.sampling\.group_size.*group_size >= 2"),
+    ({"curriculum": {"loss": {"clip_low": -0.2}}}, r"stage 'curriculum'\.loss\.clip_low: must be >= 0"),
     ({"sft": {"hidden": "64"}}, r"config\.sft\.hidden = '64' has type str; expected <class 'int'>"),
     ({"compute": {"nproc_per_nodes": 2}},
      r"unknown field config\.compute\.nproc_per_nodes\. Did you mean 'nproc_per_node'"),
@@ -595,8 +599,8 @@ def test_checkpoints_and_saved_models_reach_the_disk_before_their_rename(tmp_pat
     ({"compute": {"nodes": 1.5}}, r"config\.compute\.nodes = 1\.5 has type float"),
     ({"compute": {"nodes": 3, "nproc_per_node": 2}, "curriculum": {"prompts_per_iter": 8}},
      r"curriculum\.prompts_per_iter: 8 prompts cannot be split across 6 ranks \(compute\.nodes x "),
-    ({"compute": {"nodes": 2}, "gsm8k": {"prompts_per_iter": 8, "parallelism": "fsdp2"}},
-     r"gsm8k\.parallelism: 'fsdp2' writes every rank's checkpoint shards into one directory.*compute\.nodes = 2"),
+    ({"compute": {"nodes": 2}, "gsm8k": {"prompts_per_iter": 8, "execution": {"parallelism": "fsdp2"}}},
+     r"gsm8k\.execution\.parallelism: 'fsdp2' writes every rank's checkpoint shards.*compute\.nodes = 2"),
     ({"compute": {"rdzv_port": 80}}, r"compute\.rdzv_port: must be a free TCP port in 1024\.\.65535.*got 80"),
 ])
 def test_bad_pipeline_config_names_the_field_and_fix(override, match):
@@ -606,7 +610,7 @@ def test_bad_pipeline_config_names_the_field_and_fix(override, match):
 
 def test_bad_stage_config_writes_nothing(tiny, tmp_path):
     with pytest.raises(ConfigError, match="beta"):
-        main(_stage(tiny, tmp_path / "out", beta=-0.1))
+        main(_stage(tiny, tmp_path / "out", loss=dict(beta=-0.1)))
     assert not (tmp_path / "out").exists()
 
 
@@ -677,12 +681,12 @@ def test_a_rank_stuck_outside_collectives_fails_the_stage_after_collective_timeo
     fails with an error naming the field, and torchrun stops the stuck rank."""
     log = tmp_path / "torchrun.log"
     rc = _finish(_torchrun(tiny, tmp_path / "out", log, rewards=[{"fn": "tests.faulty_rewards:hangs_on_rank_1"}],
-                           reward_timeout_s=0, collective_timeout_s=5, stage="cur"), log)
+                           reward_timeout_s=0, execution={"collective_timeout_s": 5}, runtime={"stage": "cur"}), log)
     text = log.read_text()
     assert rc != 0, text[-3000:]
-    assert ("CollectiveTimeoutError: rank 0 waited more than 5 s (stage 'cur'.collective_timeout_s) "
+    assert ("CollectiveTimeoutError: rank 0 waited more than 5 s (stage 'cur'.execution.collective_timeout_s) "
             "for another rank in a collective") in text, text[-3000:]
-    assert "raise stage 'cur'.collective_timeout_s" in text
+    assert "raise stage 'cur'.execution.collective_timeout_s" in text
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 

@@ -123,8 +123,8 @@ def test_env_credentials_never_reach_mlflow_metaflow_logs_or_cards(tmp_path):
 
     control = f"cfg-{uuid.uuid4().hex[:8]}"
     cfg = tiny_config(tmp_path, name=control, sft={"steps": 10},
-                      curriculum={"iterations": 1, "save_every": 1, "eval_every": 1, "eval_size": 4},
-                      gsm8k={"iterations": 1, "save_every": 1, "eval_size": 4},
+                      curriculum={"iterations": 1, "checkpoint": {"every": 1}, "validation": {"every": 1, "size": 4}},
+                      gsm8k={"iterations": 1, "checkpoint": {"every": 1}, "validation": {"size": 4}},
                       evaluate={"gsm8k_size": 4, "arithmetic_size": 8, "max_new_tokens": 8})
     result = run_flow(tmp_path, cfg, AWS_ACCESS_KEY_ID="FAKEKEYID", **SECRET_ENV)
     assert result.status == "successful", result.stderr[-5000:]

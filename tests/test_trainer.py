@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_core.config import ConfigError
+from grpo_core.config_checks import ConfigError
+from grpo_core.pipeline_config import deep_merge
 from grpo_core.train import load_config, main
 from tests.faults import InjectedFault, crash_after_iteration, crash_before_final_model
 from tests.helpers import REPO, SEVENS, same_weights, stage_args
@@ -17,8 +18,9 @@ from tests.helpers import REPO, SEVENS, same_weights, stage_args
 
 def test_learns_a_learnable_reward(tiny, tmp_path):
     """'Emit the character 7': mean reward rises from <= 0.2 to >= 0.8 within 40 iterations."""
-    summary = main(stage_args(model=str(tiny), output_dir=str(tmp_path), rewards=SEVENS, iterations=40,
-                              lr=3e-3, beta=0.0, prompts_per_iter=8, save_every=40, max_new_tokens=32))
+    summary = main(stage_args(runtime=dict(model=str(tiny), output_dir=str(tmp_path)), rewards=SEVENS, iterations=40,
+                              optim=dict(lr=3e-3), loss=dict(beta=0.0), prompts_per_iter=8, checkpoint=dict(every=40),
+                              sampling=dict(max_new_tokens=32)))
     rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["reward"] <= 0.2
     assert max(r["reward"] for r in rows) >= 0.8, [round(r["reward"], 3) for r in rows]
@@ -38,9 +40,10 @@ def test_learns_a_learnable_reward(tiny, tmp_path):
 
 
 def _stage(tiny, out, **kw):
-    base = dict(model=str(tiny), output_dir=str(out), rewards=SEVENS, iterations=6, lr=3e-3, beta=0.04,
-                prompts_per_iter=4, group_size=4, save_every=2, max_new_tokens=12, mu=2)
-    return stage_args(**{**base, **kw})
+    base = dict(runtime=dict(model=str(tiny), output_dir=str(out)), rewards=SEVENS, iterations=6,
+                optim=dict(lr=3e-3, mu=2), loss=dict(beta=0.04), prompts_per_iter=4,
+                sampling=dict(group_size=4, max_new_tokens=12), checkpoint=dict(every=2))
+    return stage_args(**deep_merge(base, kw))
 
 
 def test_resume_after_crash_is_bitwise_equal_to_uninterrupted(tiny, tmp_path):
@@ -59,7 +62,7 @@ def test_resume_after_crash_is_bitwise_equal_to_uninterrupted(tiny, tmp_path):
 def test_resume_after_the_gate_fired_finishes_the_stage_without_training_on(tiny, tmp_path):
     """The gate fires at iteration 2 and the process dies before the final model is saved: the
     re-run finishes from that checkpoint (it used to train iterations 3..6 past the gate)."""
-    gate = dict(gate_metric="reward", gate_threshold=0.0, gate_patience=2, save_every=10)
+    gate = dict(gate=dict(metric="reward", threshold=0.0, patience=2), checkpoint=dict(every=10))
     straight = main(_stage(tiny, tmp_path / "straight", **gate))
     assert straight["iterations_run"] == 2 and straight["promoted_by_gate"]
     with crash_before_final_model(), pytest.raises(InjectedFault):
@@ -75,7 +78,7 @@ def test_resume_into_a_fresh_output_dir_restores_the_metrics_history(tiny, tmp_p
     straight = main(_stage(tiny, tmp_path / "straight"))
     with crash_after_iteration(5), pytest.raises(InjectedFault):
         main(_stage(tiny, tmp_path / "origin"))
-    resumed = main(_stage(tiny, tmp_path / "resumed", resume_from=[str(tmp_path / "origin")]))
+    resumed = main(_stage(tiny, tmp_path / "resumed", runtime=dict(resume_from=[str(tmp_path / "origin")])))
     assert resumed["resumed_from_iteration"] == 4
     its = [json.loads(ln)["iteration"] for ln in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert its == [1, 2, 3, 4, 5, 6]
@@ -91,11 +94,11 @@ def test_a_resume_of_a_resume_that_failed_before_its_first_checkpoint_loses_noth
     straight = main(_stage(tiny, tmp_path / "straight"))
     sync = {r: str(tmp_path / "store" / r) for r in "ABC"}
     with crash_after_iteration(5), pytest.raises(InjectedFault):
-        main(_stage(tiny, tmp_path / "A", sync_uri=sync["A"]))
+        main(_stage(tiny, tmp_path / "A", runtime=dict(sync_uri=sync["A"])))
     with crash_after_iteration(5), pytest.raises(InjectedFault):
-        main(_stage(tiny, tmp_path / "B", sync_uri=sync["B"], resume_from=[sync["B"], sync["A"]]))
+        main(_stage(tiny, tmp_path / "B", runtime=dict(sync_uri=sync["B"], resume_from=[sync["B"], sync["A"]])))
     assert (Path(sync["B"]) / "checkpoints" / "ckpt-000004" / "manifest.json").exists()
-    resumed = main(_stage(tiny, tmp_path / "C", sync_uri=sync["C"], resume_from=[sync["C"], sync["B"]]))
+    resumed = main(_stage(tiny, tmp_path / "C", runtime=dict(sync_uri=sync["C"], resume_from=[sync["C"], sync["B"]])))
     assert resumed["resumed_from_iteration"] == 4 and resumed["iterations_run"] == 6
     assert same_weights(tmp_path / "straight" / "final", tmp_path / "C" / "final")
     assert straight["iterations_run"] == 6
@@ -112,17 +115,18 @@ def test_a_copy_cut_short_is_republished_and_the_chain_reaches_the_first_attempt
 
     sync = {r: str(tmp_path / "store" / r) for r in "ABC"}
     with crash_after_iteration(5), pytest.raises(InjectedFault):
-        main(_stage(tiny, tmp_path / "A", sync_uri=sync["A"]))
+        main(_stage(tiny, tmp_path / "A", runtime=dict(sync_uri=sync["A"])))
     partial = Path(sync["B"]) / "checkpoints" / "ckpt-000004"
     partial.mkdir(parents=True)
     shutil.copyfile(Path(sync["A"]) / "checkpoints" / "ckpt-000004" / "model.safetensors",
                     partial / "model.safetensors")
     storage.write_text(storage.join(sync["B"], RESUME_CHAIN), json.dumps([sync["A"]]))
     assert resume_chain(sync["B"]) == [sync["B"], sync["A"]]
-    resumed = main(_stage(tiny, tmp_path / "C", sync_uri=sync["C"], resume_from=[sync["C"], *resume_chain(sync["B"])],
-                          iterations=4))
+    chain = [sync["C"], *resume_chain(sync["B"])]
+    resumed = main(_stage(tiny, tmp_path / "C", runtime=dict(sync_uri=sync["C"], resume_from=chain), iterations=4))
     assert resumed["resumed_from_iteration"] == 4
-    main(_stage(tiny, tmp_path / "B2", sync_uri=sync["B"], resume_from=[sync["B"], sync["A"]], iterations=4))
+    main(_stage(tiny, tmp_path / "B2", runtime=dict(sync_uri=sync["B"], resume_from=[sync["B"], sync["A"]]),
+                iterations=4))
     assert checkpoint.verify(partial)
 
 
@@ -144,7 +148,7 @@ def test_compiled_scoring_gives_the_eager_update(tiny, tmp_path):
     rows = {}
     for flag in (False, True):
         out = tmp_path / ("compiled" if flag else "eager")
-        args = _stage(tiny, out, iterations=1, save_every=1, compile_scoring=flag)
+        args = _stage(tiny, out, iterations=1, checkpoint=dict(every=1), execution=dict(compile_scoring=flag))
         if flag:
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
             run = subprocess.run([sys.executable, "-c", COMPILED_RUN, *args], env=env, capture_output=True,
@@ -170,7 +174,7 @@ def test_divergence_alarm_is_reported_once_per_evaluation(tiny, tmp_path, capsys
     from grpo_core.train import load_config
     from grpo_core.trainer import Trainer
 
-    overrides = [a.removeprefix("--set=") for a in _stage(tiny, tmp_path, beta=0.0, sample_every=1000)]
+    overrides = [a.removeprefix("--set=") for a in _stage(tiny, tmp_path, loss=dict(beta=0.0), sample_every=1000)]
     trainer = Trainer(load_config(None, overrides), dist.init())
     rewards, accs = [0.1, 0.2, 0.3, 0.4, 0.5], {2: 0.5, 4: 0.4, 6: 0.3}  # reward up, accuracy down
     batch = None
@@ -185,7 +189,7 @@ def test_divergence_alarm_is_reported_once_per_evaluation(tiny, tmp_path, capsys
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_previous(tiny, tmp_path):
-    main(_stage(tiny, tmp_path, iterations=4, keep_checkpoints=3))
+    main(_stage(tiny, tmp_path, iterations=4, checkpoint=dict(keep=3)))
     latest = tmp_path / "checkpoints" / "ckpt-000004" / "model.safetensors"
     latest.write_bytes(latest.read_bytes()[:-100])  # truncated
     from grpo_core import checkpoint
@@ -212,7 +216,8 @@ def test_torchrun_two_ranks_with_gradient_checkpointing_equal_the_plain_one_proc
     """DDP around the scorer with layers replayed in backward (non-reentrant checkpointing): the
     policy forward runs prompt and completion together, the reference keeps its shared prefix."""
     one, _ = _update(tiny, tmp_path / "one.st", 1, "dapo")
-    two, two_calls = _update(tiny, tmp_path / "two.st", 2, "dapo", micro_batch_groups=1, gradient_checkpointing=True)
+    two, two_calls = _update(tiny, tmp_path / "two.st", 2, "dapo", micro_batch_groups=1,
+                               execution={"gradient_checkpointing": True})
     assert two_calls == 1  # the reference only
     assert one.keys() == two.keys()
     for k in one:
@@ -286,8 +291,10 @@ def test_micro_batches_give_the_full_batch_update_for_every_loss_type(tiny, tmp_
     results = {}
     for micro in (0, 1, 3):
         cfg = load_config(None, [a.removeprefix("--set=") for a in _stage(
-            tiny, tmp_path / str(micro), loss_type=loss_type, beta=0.04, mu=2, mask_truncated=True,
-            max_new_tokens=7, max_grad_norm=0.0, lr=1e-7, micro_batch_groups=micro)])
+            tiny, tmp_path / str(micro), loss=dict(type=loss_type, beta=0.04, mask_truncated=True),
+                                                                          optim=dict(mu=2, max_grad_norm=0.0, lr=1e-7),
+                                                                          sampling=dict(max_new_tokens=7),
+                                                                          execution=dict(micro_batch_groups=micro))])
         trainer = Trainer(cfg, dist.init())
         batch = fixed_rollout_batch(4)
         batch.advantages = trainer.advantages(batch.rewards)
@@ -321,7 +328,7 @@ def test_rows_outside_the_loss_add_nothing_and_an_empty_update_takes_no_step(tin
     normalisers. With no row left anywhere there is no optimizer step, but the schedule advances."""
     from tests.helpers import fixed_rollout_batch
 
-    kw = dict(loss_type=loss_type, mu=1, max_grad_norm=0.0, lr=1e-2)
+    kw = dict(loss=dict(type=loss_type), optim=dict(mu=1, max_grad_norm=0.0, lr=1e-2))
     grads = []
     for n, out in ((4, "masked"), (2, "subset")):
         trainer = _in_process_trainer(tiny, tmp_path / out, **kw)
@@ -337,7 +344,7 @@ def test_rows_outside_the_loss_add_nothing_and_an_empty_update_takes_no_step(tin
     for k in grads[0]:
         assert torch.allclose(grads[0][k], grads[1][k], atol=1e-7, rtol=1e-4), k
 
-    trainer = _in_process_trainer(tiny, tmp_path / "empty", warmup_iters=2, **kw)
+    trainer = _in_process_trainer(tiny, tmp_path / "empty", **deep_merge(kw, dict(optim=dict(warmup_iters=2))))
     before = {k: p.detach().clone() for k, p in trainer.model.state_dict().items()}
     batch = fixed_rollout_batch(2)
     batch.advantages = trainer.advantages(batch.rewards)
@@ -355,7 +362,8 @@ def test_warmup_counts_iterations_whatever_mu_is(tiny, tmp_path):
     second iteration at mu=3). The logged lr is the one the iteration used."""
     lrs = {}
     for mu in (1, 3):
-        main(_stage(tiny, tmp_path / str(mu), iterations=3, mu=mu, warmup_iters=4, lr=1e-3, save_every=3))
+        main(_stage(tiny, tmp_path / str(mu), iterations=3, optim=dict(mu=mu, warmup_iters=4, lr=1e-3),
+                    checkpoint=dict(every=3)))
         rows = [json.loads(ln) for ln in (tmp_path / str(mu) / "metrics.jsonl").read_text().splitlines()]
         lrs[mu] = [r["lr"] for r in rows]
     assert lrs[1] == lrs[3] == pytest.approx([2.5e-4, 5e-4, 7.5e-4])
@@ -364,14 +372,14 @@ def test_warmup_counts_iterations_whatever_mu_is(tiny, tmp_path):
 def test_resume_takes_the_warmup_position_from_the_iteration_not_the_saved_counter(tiny, tmp_path):
     """A checkpoint written when the schedule stepped once per optimizer step (mu=3: 6 steps by
     iteration 2) resumes at iteration 3's rate, 3/4 of lr under warmup_iters=4, not at full lr."""
-    old = _in_process_trainer(tiny, tmp_path, warmup_iters=4, lr=1e-3, mu=3)
+    old = _in_process_trainer(tiny, tmp_path, optim=dict(warmup_iters=4, lr=1e-3, mu=3))
     for _ in range(6):
         old.opt.step()
         old.sched.step()
     assert old.sched.get_last_lr()[0] == pytest.approx(1e-3)
     old.state["iteration"] = 2
     old.save_checkpoint(2)
-    resumed = _in_process_trainer(tiny, tmp_path, warmup_iters=4, lr=1e-3, mu=3)
+    resumed = _in_process_trainer(tiny, tmp_path, optim=dict(warmup_iters=4, lr=1e-3, mu=3))
     assert resumed.resume() == 2
     assert resumed.sched.get_last_lr()[0] == pytest.approx(7.5e-4)
     assert resumed.opt.param_groups[0]["lr"] == pytest.approx(7.5e-4)
@@ -381,7 +389,7 @@ def test_dynamic_sampling_with_nothing_informative_leaves_every_row_out_of_the_l
     """No informative group in any round: the drawn batch goes to the update (DDP needs every rank)
     with every row out of the loss, so it takes no step, and its metrics still compute."""
     trainer = _in_process_trainer(tiny, tmp_path, rewards=[{"fn": "tests.faulty_rewards:always_zero"}],
-                                  dynamic_sampling=True, max_resample_rounds=1)
+                                  sampling=dict(dynamic_sampling=True, max_resample_rounds=1))
     batch, roll = trainer.rollout()
     assert roll["informative_groups"] == 0 and roll["dynamic_rounds"] == 1
     assert batch.loss_rows is not None and not batch.loss_rows.any()
@@ -397,7 +405,8 @@ def test_reward_function_metrics_are_means_over_the_rows_they_apply_to(tiny, tmp
     from grpo_core.rewards import target_char_fraction
 
     trainer = _in_process_trainer(tiny, tmp_path, rewards=SEVENS + [
-        {"fn": "tests.faulty_rewards:sevens_on_even_rows", "weight": 0.5}], max_new_tokens=12)
+        {"fn": "tests.faulty_rewards:sevens_on_even_rows", "weight": 0.5}],
+                                  sampling=dict(max_new_tokens=12))
     batch, roll = trainer.rollout()
     m = trainer.iteration_metrics(1, batch, roll, trainer.update(batch), 1.0)
     sevens = target_char_fraction(batch.prompts, batch.completions)
@@ -423,7 +432,7 @@ def test_the_validation_accuracy_says_how_many_items_it_is_over(tiny, tmp_path):
     """eval_size 500 asks for more arithmetic validation items than there are: eval_n says how many."""
     from grpo_core.data import eval_rows
 
-    main(_stage(tiny, tmp_path, iterations=2, eval_every=2, eval_size=500, task="arithmetic"))
+    main(_stage(tiny, tmp_path, iterations=2, validation=dict(every=2, size=500), task="arithmetic"))
     rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     cfg = load_config(None, [a.removeprefix("--set=") for a in _stage(tiny, tmp_path, task="arithmetic")])
     available = len(eval_rows(cfg, 10**6))
@@ -463,12 +472,17 @@ def test_torchrun_batch_scale_uses_the_std_over_all_ranks(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("override,match", [
-    ("group_size=1", "group_size"), ("clip_low=-0.1", "clip_low"), ("beta=-1", "beta"),
-    ("loss_type=ppo", "loss_type.*grpo, bnpo, dapo, dr_grpo"), ("grop_size=4", "Did you mean 'group_size'"),
-    ("lr=\"fast\"", "stage.lr"), ("gate_metric=\"eval_accuracy\"", "eval_every"),
+    ("sampling.group_size=1", r"sampling\.group_size"), ("loss.clip_low=-0.1", r"loss\.clip_low"),
+    ("loss.beta=-1", r"loss\.beta"), ("loss.type=ppo", r"loss\.type.*grpo, bnpo, dapo, dr_grpo"),
+    ("sampling.grop_size=4", "Did you mean 'group_size'"),
+    ("group_size=4", r"belongs in the 'sampling' group: stage\.sampling\.group_size"),
+    ("save_every=4", r"It is stage\.checkpoint\.every now"),
+    ("optim.lr=\"fast\"", r"stage\.optim\.lr"), ("gate.metric=\"eval_accuracy\"", r"validation\.every"),
     ("rewards=[{\"func\": \"x\"}]", "rewards\\[0\\]"),
-    ("sampler=\"gumbel\"", "sampler.*inverse_cdf, multinomial"),
-    ("collective_timeout_s=0", r"stage 'grpo'\.collective_timeout_s: must be a finite number > 0"),
+    ("sampling.sampler=\"gumbel\"", "sampler.*inverse_cdf, multinomial"),
+    ("execution.collective_timeout_s=0",
+     r"stage 'grpo'\.execution\.collective_timeout_s: must be a finite number > 0"),
+    ("optim=3", r"stage\.optim must be a table"), ("optim.lr.x=1", r"stage\.optim\.lr = \{'x': 1\} has type dict"),
 ])
 def test_bad_stage_config_names_the_field(override, match):
     with pytest.raises(ConfigError, match=match):
@@ -476,7 +490,7 @@ def test_bad_stage_config_names_the_field(override, match):
 
 
 @pytest.mark.parametrize("text,match", [
-    ('{"lr": 1e-4,,}', r"bad\.json: not valid JSON at line 1"), ("[1, 2]", r"bad\.json: expected a JSON object"),
+    ('{"iterations": 4,,}', r"bad\.json: not valid JSON at line 1"), ("[1, 2]", r"bad\.json: expected a JSON object"),
     (None, r"bad\.json: cannot read it"),
 ])
 def test_bad_stage_config_file_names_the_file(tmp_path, text, match):
@@ -494,8 +508,8 @@ def test_bad_reward_path_is_reported_before_training(tiny, tmp_path):
 
 def test_dynamic_sampling_keeps_informative_groups_and_logs_draws(tiny, tmp_path):
     """DAPO dynamic sampling: all-equal groups are dropped and refilled; draws are logged."""
-    main(_stage(tiny, tmp_path, iterations=2, mu=1, dynamic_sampling=True, max_resample_rounds=2,
-                temperature=0.3, save_every=2))
+    main(_stage(tiny, tmp_path, iterations=2, optim=dict(mu=1),
+                sampling=dict(dynamic_sampling=True, max_resample_rounds=2, temperature=0.3), checkpoint=dict(every=2)))
     rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for r in rows:
         assert r["dynamic_drawn"] >= 4 and 0 <= r["dynamic_rounds"] <= 2
@@ -526,8 +540,8 @@ def test_system_prompt_reaches_rollouts_evaluation_and_the_objective_card(tiny, 
     from grpo_core.rollout import render_prompts
 
     system = "You add numbers."
-    main(_stage(tiny, tmp_path, iterations=1, mu=1, system_prompt=system, eval_every=1, eval_size=4,
-                task="arithmetic"))
+    main(_stage(tiny, tmp_path, iterations=1, optim=dict(mu=1), system_prompt=system,
+                validation=dict(every=1, size=4), task="arithmetic"))
     card = json.loads((tmp_path / "objective.json").read_text())
     assert card["system_prompt"] == system
     rendered = card["rendered_prompt_example"]
@@ -542,7 +556,7 @@ def test_system_prompt_reaches_rollouts_evaluation_and_the_objective_card(tiny, 
 
     cfg = load_config(None, [a.removeprefix("--set=") for a in
                              _stage(tiny, tmp_path / "again", system_prompt=system, task="arithmetic")])
-    info = dist.init(cfg.collective_timeout_s)
+    info = dist.init(cfg.execution.collective_timeout_s)
     try:
         batch, _ = Trainer(cfg, info).rollout()
     finally:
@@ -553,4 +567,4 @@ def test_system_prompt_reaches_rollouts_evaluation_and_the_objective_card(tiny, 
 
 def test_empty_system_prompt_is_refused():
     with pytest.raises(ConfigError, match=r"system_prompt: is empty; omit it"):
-        load_config(None, [a.removeprefix("--set=") for a in stage_args(model="m", system_prompt=" ")])
+        load_config(None, [a.removeprefix("--set=") for a in stage_args(runtime=dict(model="m"), system_prompt=" ")])
