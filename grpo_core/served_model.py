@@ -23,11 +23,31 @@ PYFUNC_CODE = '''\
 
 ``predict`` takes raw questions (as in the datasets) and answers them the way the evaluation that
 registered this model measured it: the same prompt format (the tokenizer's chat template, else the
-question and a newline; no added special tokens) and plain argmax decoding (the checkpoint's
-generation_config extras, such as repetition_penalty, are not applied).
+question and a newline; no added special tokens), plain argmax decoding (the checkpoint's
+generation_config extras, such as repetition_penalty, are not applied), and an answer that repeats
+itself verbatim stops where the evaluation stopped it.
 """
 import mlflow
 from mlflow.pyfunc import PythonModel
+from transformers import StoppingCriteria
+
+
+class LoopStop(StoppingCriteria):
+    """grpo_core.loops.LoopRule's rule, for one sequence (this file must not import grpo_core):
+    stop once the answer's last tokens repeat with a period p <= 96 at least 3 times, 64+ tokens."""
+
+    def __init__(self, start: int):
+        self.start, self.runs = start, [0] * 97  # per period p: tokens equal to the one p before
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        seq = input_ids[0, self.start:].tolist()
+        t, hit = len(seq) - 1, False
+        for p in range(1, 97):
+            self.runs[p] = self.runs[p] + 1 if t >= p and seq[t] == seq[t - p] else 0
+            hit = hit or self.runs[p] >= max(2 * p, 64 - p)
+        return torch.tensor([hit], device=input_ids.device)
 
 
 class GreedyCausalLM(PythonModel):
@@ -61,9 +81,11 @@ class GreedyCausalLM(PythonModel):
         out = []
         for question in model_input:  # one at a time: no padding side to get wrong
             enc = self.tok(self.render(question), return_tensors="pt", add_special_tokens=False)
+            start = enc["input_ids"].shape[1]
             with torch.no_grad():
-                ids = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False)
-            out.append(self.tok.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+                ids = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,
+                                          stopping_criteria=[LoopStop(start)])
+            out.append(self.tok.decode(ids[0, start:], skip_special_tokens=True))
         return out
 
 

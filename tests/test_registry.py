@@ -316,3 +316,26 @@ def test_first_version_must_beat_the_start_model(sqlite_uri, model_dir, n_right,
     assert "against the start model" in result["reason"]
     aliases = aliases_by_version(mlflow_client(sqlite_uri), name)
     assert aliases == ({1: ["champion"]} if decision == "promoted" else {1: ["challenger"]})
+
+
+def test_served_model_stops_a_looping_answer_where_the_evaluation_did(sqlite_uri, tmp_path):
+    """An answer that repeats itself verbatim: the pyfunc stops it at the same token as the
+    evaluation's decoder (loops.LoopRule, restated in the pyfunc's own code), not at its cap."""
+    from grpo_core.evaluate import greedy_results
+    from grpo_core.models import load_policy, save_policy
+    from tests.test_loops import _looping_model
+
+    model, tok = _looping_model()
+    checkpoint = save_policy(model, tok, tmp_path / "checkpoint")
+    model, tok = load_policy(str(checkpoint))
+    questions = ["What is 3 + 4?", "hello"]  # the second loops (tests/test_loops.py)
+    rows = [{"id": q, "prompt": q, "gold": "0"} for q in questions]
+    decision = register_model(sqlite_uri, start_parent_run(sqlite_uri, "grpo-registry", {}), str(checkpoint),
+                              "grpo-loops", eval_items=evals(30), tags={}, rule="always", max_new_tokens=160)
+    assert decision["decision"] in ("first", "promoted")
+    served = load_model(sqlite_uri, "grpo-loops").predict(questions)
+    evaluated = greedy_results(model, tok, rows, max_new_tokens=160)
+    assert [r["looped"] for r in evaluated] == [False, True]
+    assert served == [r["completion"] for r in evaluated]
+    unstopped = greedy_results(model, tok, rows, max_new_tokens=160, stop_loops=False)[1]["completion"]
+    assert len(served[1]) < len(unstopped), "the test can tell: without the stop the loop runs to the cap"
