@@ -76,14 +76,14 @@ def compare_to_start(start: list[dict], other: list[dict]) -> dict:
 
 def eval_sets(eval_cfg, params: dict[str, dict]) -> dict[str, list[dict]]:
     """The held-out sets: the test split of each task in ``params`` (task name -> its params) that
-    ``eval_cfg`` sizes, as ``<task>_test`` (``test_items``)."""
+    ``eval_cfg`` sizes, as ``<task>_test`` (``held_out_items``)."""
     from grpo_core import tasks
 
-    return {tasks.dataset_name(name, "test"): test_items(tasks.task(name), task_params, size)
+    return {tasks.dataset_name(name, "test"): held_out_items(tasks.task(name), task_params, size)
             for name, task_params in params.items() if (size := eval_cfg.size(name)) != 0}
 
 
-def test_items(task, params: dict, size: int | None) -> list[dict]:
+def held_out_items(task, params: dict, size: int | None) -> list[dict]:
     """``size`` items of ``task``'s test split (None: all of them): a seeded sample for a task
     whose rows come in a systematic order, else the first N."""
     from grpo_core.data import fixed_subset
@@ -118,7 +118,7 @@ def main(argv=None):
     task, _ = tasks.split_of(a.set)
     fields = GRPOConfig(task=task.name, runtime={"stage": "evaluate"}, **{q: getattr(a, q) for q in task.params})
     params = task.params_of(fields)
-    rows = test_items(task, params, a.size or None)
+    rows = held_out_items(task, params, a.size or None)
     model, tok = load_policy(a.model)
     torch.manual_seed(0)
     res = greedy_results(model, tok, rows, max_new_tokens=a.max_new_tokens, grade=task.grade,
