@@ -393,6 +393,10 @@ class GRPOConfig:
         """The in-stage validation's generation cap."""
         return self.validation.max_new_tokens or self.sampling.max_new_tokens
 
+    def reads_validation(self) -> bool:
+        """Whether the stage reads its task's validation split (periodic evaluation, or a gate)."""
+        return bool(self.validation.every or self.gate.metric)
+
 
 def gsm8k_source(configured: str) -> str:
     """GSM8K_DIR (a local copy) wins over the configured hub id / path; local paths made absolute."""

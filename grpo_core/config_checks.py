@@ -42,14 +42,7 @@ def from_dict(cls, data: dict, where: str):
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     for key in data:
         if key not in names:
-            groups = [n for n in names if dataclasses.is_dataclass(hints[n])
-                      and key in {f.name for f in dataclasses.fields(hints[n])}]
-            close = difflib.get_close_matches(key, names, n=1)
-            renamed = getattr(cls, "RENAMED", {}).get(key)  # a field's earlier name: say where it went
-            group, _, name = (renamed or f"{groups[0] if groups else ''}.{key}").rpartition(".")
-            hint = (f" It is {where}.{group}.{name} now (TOML: {name} under [{where}.{group}])." if renamed
-                    else f" It belongs in the {group!r} group: {where}.{group}.{key} (TOML: under [{where}.{group}])."
-                    if groups else f" Did you mean {close[0]!r}?" if close else "")
+            hint = _unknown_field_hint(cls, hints, names, key, where)
             raise ConfigError(f"unknown field {where}.{key}.{hint} Allowed fields: {', '.join(names)}")
     kwargs = {}
     for name in names:
@@ -68,6 +61,20 @@ def from_dict(cls, data: dict, where: str):
         return cls(**kwargs)
     except TypeError as exc:  # a required field is missing
         raise ConfigError(f"{where}: {exc}") from exc
+
+
+def _unknown_field_hint(cls, hints: dict, names: list[str], key: str, where: str) -> str:
+    """Where an unknown ``key`` of ``cls`` lives: its new place if it was renamed (``cls.RENAMED``),
+    the group that has a field of that name, else the closest field name."""
+    renamed = getattr(cls, "RENAMED", {}).get(key)
+    if renamed:
+        group, _, name = renamed.rpartition(".")
+        return f" It is {where}.{group}.{name} now (TOML: {name} under [{where}.{group}])."
+    for group in names:
+        if dataclasses.is_dataclass(hints[group]) and key in {f.name for f in dataclasses.fields(hints[group])}:
+            return f" It belongs in the {group!r} group: {where}.{group}.{key} (TOML: under [{where}.{group}])."
+    close = difflib.get_close_matches(key, names, n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
 
 
 def require(cond: bool, where: str, msg: str):

@@ -187,8 +187,7 @@ def stage_config(cfg: PipelineConfig, stage: str, step: str, model_uri: str, ctx
     records the resume chain; the other nodes get the same stage without them, in an output
     dir of their own (gang tasks can share one machine)."""
     task = stages.stage(stage).task
-    table = getattr(cfg, stage)  # periodic evaluation and the gate read the validation split
-    validated = table.get("validation", {}).get("every") or table.get("gate", {}).get("metric")
+    validated = cfg.stage(stage).reads_validation()
     names = (tasks.dataset_name(task, "train"),) + ((tasks.dataset_name(task, "validation"),) if validated else ())
     resume = [ctx.step_uri(step)] + (resume_chain(ctx.step_uri(step, ctx.origin_run_id)) if ctx.origin_run_id else [])
     out = ctx.scratch(step)

@@ -33,20 +33,22 @@ from transformers import StoppingCriteria
 
 
 class LoopStop(StoppingCriteria):
-    """grpo_core.loops.LoopRule's rule, for one sequence (this file must not import grpo_core):
-    stop once the answer's last tokens repeat with a period p <= 96 at least 3 times, 64+ tokens."""
+    """grpo_core.loops.LoopRule's rule for one sequence, with the rule's numbers from the model's
+    config (this file must not import grpo_core): stop once the answer's last tokens repeat with a
+    period p <= max_period at least min_repeats times, over min_span tokens or more."""
 
-    def __init__(self, start: int):
-        self.start, self.runs = start, [0] * 97  # per period p: tokens equal to the one p before
+    def __init__(self, start: int, min_repeats: int, min_span: int, max_period: int):
+        self.start, self.runs = start, [0] * (max_period + 1)  # per period p: tokens equal to the one p before
+        self.need = [max((min_repeats - 1) * p, min_span - p) for p in range(max_period + 1)]
 
     def __call__(self, input_ids, scores, **kwargs):
         import torch
 
         seq = input_ids[0, self.start:].tolist()
         t, hit = len(seq) - 1, False
-        for p in range(1, 97):
+        for p in range(1, len(self.runs)):
             self.runs[p] = self.runs[p] + 1 if t >= p and seq[t] == seq[t - p] else 0
-            hit = hit or self.runs[p] >= max(2 * p, 64 - p)
+            hit = hit or self.runs[p] >= self.need[p]
         return torch.tensor([hit], device=input_ids.device)
 
 
@@ -65,6 +67,7 @@ class GreedyCausalLM(PythonModel):
         config = context.model_config or {}
         self.max_new_tokens = int(config.get("max_new_tokens", 256))
         self.system_prompt = config.get("system_prompt")  # absent: the chat template's default system turn
+        self.loop_rule = config["loop_rule"]  # the evaluation's (grpo_core.loops.LoopRule)
 
     def render(self, question: str) -> str:
         # the rule of grpo_core.rollout.render_prompts (this file must not import grpo_core)
@@ -84,7 +87,7 @@ class GreedyCausalLM(PythonModel):
             start = enc["input_ids"].shape[1]
             with torch.no_grad():
                 ids = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                          stopping_criteria=[LoopStop(start)])
+                                          stopping_criteria=[LoopStop(start, **self.loop_rule)])
             out.append(self.tok.decode(ids[0, start:], skip_special_tokens=True))
         return out
 
@@ -139,9 +142,14 @@ def _pip_requirements() -> list[str]:
 def log_pyfunc_model(uri: str, run_id: str, model_dir: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                      system_prompt: str | None = None):
     """Log ``model_dir`` as a pyfunc LoggedModel attached to the run; returns ModelInfo. It serves
-    with the evaluation's generation cap and system prompt (None: the chat template's default)."""
+    with the evaluation's generation cap, system prompt (None: the chat template's default) and
+    loop rule."""
+    import dataclasses
+
     import mlflow
     from mlflow.models import Model
+
+    from grpo_core.loops import LoopRule
 
     # Created here so it lands in the run's experiment: Model.log alone would use the
     # process's active experiment (the Default one, with artifacts under ./mlruns).
@@ -155,5 +163,5 @@ def log_pyfunc_model(uri: str, run_id: str, model_dir: str, max_new_tokens: int 
                          model_id=logged.model_id,
                          python_model=str(code), artifacts={"model_dir": str(model_dir)},
                          pip_requirements=_pip_requirements(),
-                         model_config={"max_new_tokens": max_new_tokens,
+                         model_config={"max_new_tokens": max_new_tokens, "loop_rule": dataclasses.asdict(LoopRule()),
                                        **({} if system_prompt is None else {"system_prompt": system_prompt})})

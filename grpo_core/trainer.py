@@ -112,7 +112,7 @@ class Trainer:
         self.rewards = resolve_specs([RewardSpec(**r) for r in cfg.rewards])
         self.engine, self.sampling = engines.build(cfg.sampling.rollout_engine, self.tok), engines.Sampling.of(cfg)
         self.stream = PromptStream(train_rows(cfg), cfg.seed)
-        self.eval_rows = eval_rows(cfg, cfg.validation.size) if (cfg.validation.every or cfg.gate.metric) else None
+        self.eval_rows = eval_rows(cfg, cfg.validation.size) if cfg.reads_validation() else None
         self.gate = PromotionGate.from_config(cfg)
         self.state = {"iteration": 0, "data_position": 0, "nonfinite_in_a_row": 0,
                       "skipped_updates": 0, "history": [], **self.gate.state_dict()}
