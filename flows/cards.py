@@ -164,7 +164,8 @@ def stage_table_card(card, results: list[dict]) -> None:
         "# Held-out accuracy by stage (greedy, 95% Wilson interval)\n"
         "Every stage answers the same items. **cut off**: answers that hit the generation cap while "
         "not looping. **looped**: answers stopped once they repeated themselves verbatim (at least 3 "
-        "copies of a cycle, 64+ tokens: greedy decoding would repeat it to any cap). "
+        "copies of a cycle, 64+ tokens: greedy decoding would repeat it to any cap), or cut off by the "
+        "cap while repeating their own earlier text with only the numbers changing. "
         f"**vs {start}**: accuracy change against the start model `{start}`, with the exact McNemar p on "
         f"the items the two disagree on (**gained / lost**: right only here / only in `{start}`). "
         "**vs stage before**: the same against the stage this one continued from."))

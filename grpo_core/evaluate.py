@@ -22,12 +22,13 @@ def greedy_results(model, tok, rows: list[dict], *, max_new_tokens: int, batch_s
                    engine=None, stop_loops: bool = True) -> list[dict]:
     """Greedy completion and its correctness for every row, graded by ``grade`` (the task's), and
     how it ended: ``looped`` (it repeated itself verbatim, ``loops.py``: decoding stops there when
-    ``stop_loops``) or ``truncated`` (cut off at ``max_new_tokens`` while not looping), else it
-    ended with a stop token. The completions come from ``engine`` (a stage's rollout engine;
-    default: ``engines.build("auto", tok)``), synced to ``model``, so prompts render and decode as
-    the stage's rollouts do."""
+    ``stop_loops``; or the cap cut it while it repeated itself with changing numbers,
+    ``loops.repeats_itself``), ``truncated`` (cut off at ``max_new_tokens`` while not looping),
+    else it ended with a stop token. The completions come from ``engine`` (a stage's rollout
+    engine; default: ``engines.build("auto", tok)``), synced to ``model``, so prompts render and
+    decode as the stage's rollouts do."""
     from grpo_core import engines
-    from grpo_core.loops import looped
+    from grpo_core.loops import digit_token_ids, looped, repeats_itself
 
     engine = engine or engines.build("auto", tok)
     sampling = engines.Sampling(max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
@@ -41,7 +42,9 @@ def greedy_results(model, tok, rows: list[dict], *, max_new_tokens: int, batch_s
         batch = engine.generate(chunk, 1, sampling)
         answer_tokens = batch.completion_mask.sum(-1) - (~batch.truncated).long()  # before the stop token
         loops = looped(batch.completion_ids, answer_tokens).tolist()
-        for row, text, cut, loop in zip(chunk, batch.completions, batch.truncated.tolist(), loops):
+        for j, (row, text, cut, loop) in enumerate(zip(chunk, batch.completions, batch.truncated.tolist(), loops)):
+            if cut and not loop:
+                loop = repeats_itself(batch.completion_ids[j, :answer_tokens[j]].tolist(), digit_token_ids(tok))
             out.append({"item_id": row["id"], "correct": bool(grade(text, row["gold"])), "gold": row["gold"],
                         "completion": text, "truncated": bool(cut and not loop), "looped": bool(loop)})
     model.train(was_training)
@@ -51,7 +54,7 @@ def greedy_results(model, tok, rows: list[dict], *, max_new_tokens: int, batch_s
 def summarize(results: list[dict]) -> dict:
     """Accuracy with its Wilson 95% interval, the counts it came from, the share of answers cut
     off by the generation cap while not looping (a cap that cuts many answers measures the cap,
-    not the model), and the share that looped verbatim (no cap would have ended them)."""
+    not the model), and the share that looped (``greedy_results``: no cap would have ended them)."""
     n = len(results)
     k = sum(r["correct"] for r in results)
     low, high = wilson_interval(k, n)

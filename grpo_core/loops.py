@@ -16,9 +16,19 @@ times are not loops.
 ``looped`` applies the rule to finished completions; ``LoopTracker`` applies the same rule
 incrementally, one decode step at a time, so a decoder can stop a row at the first token where
 ``looped`` would say yes. Both are pure tensor functions.
+
+Some loops change their numbers as they go ("7944 students x 5 class = 4348 students. 4348
+students x 6 class = ..."), so no verbatim rule sees them. ``repeats_itself`` (``RepeatRule``)
+catches those, but only in answers the cap cut off: with every run of digit tokens read as one
+symbol, nearly all n-grams of the answer's last ``window`` tokens already occurred earlier in it.
+It is not used to stop decoding early: a repetitive answer sometimes still ends by itself, so only
+the cap may end one. What it decides is how a cut answer is counted: as a loop, or as cut while
+still going somewhere (the share that says whether the cap is too small).
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,3 +93,61 @@ class LoopTracker:
     def keep(self, keep: torch.Tensor) -> None:
         """Follow the decoder's compaction: keep only rows ``keep`` [b']."""
         self.runs = self.runs[keep]
+
+
+@dataclass(frozen=True)
+class RepeatRule:
+    """When an answer cut off by the cap repeats itself with changing numbers (module docstring):
+    at least ``min_repeated`` of the ``ngram``-grams that start in its last ``window`` symbols
+    (digit runs collapsed) occurred earlier in the answer."""
+
+    window: int = 128
+    ngram: int = 8
+    min_repeated: float = 0.9
+
+
+DIGITS = "0123456789"
+NUMBER = -1  # the symbol a run of digit tokens collapses to
+
+
+@functools.lru_cache(maxsize=4)
+def digit_token_ids(tok) -> frozenset[int]:
+    """The ids of ``tok``'s vocabulary whose text is ASCII digits (with any surrounding space)."""
+    texts = tok.batch_decode([[i] for i in range(len(tok))])
+    return frozenset(i for i, t in enumerate(texts) if t.strip() and all(c in DIGITS for c in t.strip()))
+
+
+def numbers_collapsed(ids: Sequence[int], digit_ids: frozenset[int]) -> list[int]:
+    """``ids`` with every run of digit tokens replaced by one ``NUMBER``: "19993" and "10" compare
+    equal whatever their length in tokens."""
+    out: list[int] = []
+    for t in ids:
+        if t in digit_ids:
+            if out and out[-1] == NUMBER:
+                continue
+            t = NUMBER
+        out.append(t)
+    return out
+
+
+def repeated_share(ids: Sequence[int], digit_ids: frozenset[int], rule: RepeatRule = RepeatRule()) -> float | None:
+    """The share of n-grams starting in the last ``rule.window`` collapsed symbols that occurred
+    earlier in ``ids``; None when the answer is too short to judge."""
+    seq = numbers_collapsed(ids, digit_ids)
+    n, start = rule.ngram, len(seq) - rule.window
+    if start < n:
+        return None
+    seen: set[tuple[int, ...]] = set()
+    repeated = 0
+    for i in range(len(seq) - n + 1):
+        gram = tuple(seq[i:i + n])
+        repeated += i >= start and gram in seen
+        seen.add(gram)
+    return repeated / (len(seq) - n + 1 - start)
+
+
+def repeats_itself(ids: Sequence[int], digit_ids: frozenset[int], rule: RepeatRule = RepeatRule()) -> bool:
+    """True when ``ids`` (an answer's tokens) is long enough to judge and its tail repeats earlier
+    text with only numbers changed (``RepeatRule``)."""
+    share = repeated_share(ids, digit_ids, rule)
+    return share is not None and share >= rule.min_repeated

@@ -366,8 +366,9 @@ def _p(value) -> str:
 
 def summary_table(results: list[dict], curriculum: dict, gsm8k: dict, registry: dict) -> str:
     """A plain-text table: every stage's held-out accuracy with its 95% interval, the shares of
-    answers cut by the generation cap and stopped as verbatim loops, and the change against the
-    start model and against the stage before, each with its exact McNemar p on the same items."""
+    answers cut by the generation cap and of answers that looped (``evaluate.greedy_results``), and
+    the change against the start model and against the stage before, each with its exact McNemar
+    p on the same items."""
     sets = list(results[0]["summary"])
     lines = []
     for name in sets:

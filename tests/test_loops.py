@@ -1,12 +1,23 @@
-"""Verbatim-loop detection: the rule by hand, against a brute-force reference, and in the decoder."""
+"""Loop detection: the verbatim rule by hand, against a brute-force reference, and in the decoder;
+the repeats-with-changing-numbers rule by hand and against a string-search reference."""
 import random
+import re
 
 import pytest
 import torch
 
 from grpo_core.decode import sample_shared_prefix
 from grpo_core.evaluate import greedy_results, summarize
-from grpo_core.loops import LoopRule, LoopTracker, looped
+from grpo_core.loops import (
+    LoopRule,
+    LoopTracker,
+    RepeatRule,
+    digit_token_ids,
+    looped,
+    numbers_collapsed,
+    repeated_share,
+    repeats_itself,
+)
 from grpo_core.models import build_tiny
 from grpo_core.rollout import encode_prompts
 
@@ -130,3 +141,58 @@ def test_greedy_results_counts_loops_apart_from_cut_answers():
     s = summarize(stopped)
     assert s["looped_frac"] == sum(a["looped"] for a in stopped) / 2
     assert s["truncated_frac"] == sum(a["truncated"] for a in stopped) / 2
+
+
+def test_digit_tokens_of_the_tiny_tokenizer_are_its_ten_digits():
+    _, tok = build_tiny("llama", hidden=32, layers=1, heads=2)
+    digits = digit_token_ids(tok)
+    assert sorted(tok.decode([i]) for i in digits) == list("0123456789")
+
+
+def test_a_cycle_whose_numbers_change_repeats_itself():
+    _, tok = build_tiny("llama", hidden=32, layers=1, heads=2)
+    digits = digit_token_ids(tok)
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    counting = " ".join(f"{n} students x {k} class = {n * k} students." for k, n in enumerate(range(7, 40), 2))
+    assert repeats_itself(enc(counting), digits)  # numbers of 1 to 4 digits: one symbol each
+    assert repeated_share(enc(counting), digits) == 1.0
+    rng = random.Random(0)
+    varied = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ,.=+") for _ in range(200)) + " the sum is 12."
+    assert repeated_share(enc(varied), digits) == 0.0
+    assert not repeats_itself(enc(counting[:120]), digits), "shorter than window + ngram: not judged"
+    assert repeated_share(enc(counting[:120]), digits) is None
+    # the same sentences with changing words where the numbers were do not repeat: only digits collapse
+    word = lambda: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(4))  # noqa: E731
+    worded = " ".join(f"{word()} students x {word()} class = {word()} students." for _ in range(12))
+    assert repeated_share(enc(worded), digits) < 0.5
+    assert numbers_collapsed(enc("a 123 b 4"), digits) == numbers_collapsed(enc("a 9 b 55555"), digits)
+
+
+def _reference_share(ids: list[int], digits: frozenset[int], rule: RepeatRule) -> float | None:
+    """The rule restated on strings: each token one character, every digit run one 'D' (a regex),
+    and an n-gram at i repeated when str.find sees it start before i."""
+    text = re.sub("D+", "D", "".join("D" if t in digits else chr(0x4E00 + t) for t in ids))
+    n, start = rule.ngram, len(text) - rule.window
+    if start < n:
+        return None
+    hits = [text.find(text[i:i + n]) < i for i in range(start, len(text) - n + 1)]
+    return sum(hits) / len(hits)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_repeated_share_equals_a_string_search_reference(seed):
+    rule = RepeatRule(window=24, ngram=4, min_repeated=0.9)
+    rng = random.Random(seed)
+    digits = frozenset({0, 1, 2})
+    shares = []
+    for _ in range(40):
+        seq = [rng.randrange(12) for _ in range(rng.randrange(0, 30))]
+        if rng.random() < 0.6:  # a cycle whose digit tokens vary from copy to copy
+            cycle = [rng.randrange(3, 12) for _ in range(rng.randrange(2, 8))]
+            for _ in range(rng.randrange(2, 10)):
+                seq += cycle + [rng.randrange(3) for _ in range(rng.randrange(1, 4))]
+        want = _reference_share(seq, digits, rule)
+        assert repeated_share(seq, digits, rule) == want
+        assert repeats_itself(seq, digits, rule) == (want is not None and want >= 0.9)
+        shares.append(want)
+    assert any(s == 1.0 for s in shares) and any(s is not None and s < 0.9 for s in shares)
