@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/bench_grpo.py                     # all configs, ours vs TRL, in lockstep
     .venv/bin/python benchmarks/bench_grpo.py --configs ref --repeats 5 --iters 10
     .venv/bin/python benchmarks/bench_grpo.py --quick             # smoke run: tiny, ours only, seconds
+    .venv/bin/python benchmarks/bench_grpo.py --configs smollm2 --threads 2 --iters 3 --warmup 1 \
+        --repeats 2 --timeout 2400                                # the real model (SMOLLM2 below)
 
 Each side runs in its own worker process (so its peak RSS is that side's alone). All sides of a
 run start together and then go in lockstep, one iteration at a time (ours, TRL, then TRL, ours,
@@ -14,11 +16,13 @@ every run are excluded), completion tokens per second, the time split, peak RSS,
 length; and ours/TRL ratios: the median (and quartiles) of the per-iteration ratios, the ratio of
 medians, and the median of the per-run ratios. Results go to ``benchmarks/results/<name>.json``.
 
-Both sides: random-init Llama + character tokenizer saved to a directory (TRL reloads its reference
-model from that path), the arithmetic prompts rendered by our chat template, the same reward
-(``grpo_core.rewards.target_char_fraction``), beta 0.04 (k3 KL, reference forward), dapo loss,
-group-std advantages (eps 1e-4), clip 0.2, one update per rollout batch, AdamW lr 1e-4 constant,
-grad-norm clip 1.0, temperature 1.0, top_k 0, top_p 1.0, stop at EOS or max_new_tokens, fp32.
+Both sides: a model directory (TRL reloads its reference model from that path), the arithmetic
+prompts rendered by the model's chat template, the same reward, beta 0.04 (k3 KL, reference
+forward), dapo loss, group-std advantages (eps 1e-4), clip 0.2, one update per rollout batch,
+AdamW constant lr, grad-norm clip 1.0, temperature 1.0, top_k 0, top_p 1.0, stop at EOS or
+max_new_tokens, fp32. Toy configs: a random-init Llama + character tokenizer, reward
+``grpo_core.rewards.target_char_fraction``, lr 1e-4. The smollm2 configs: the real
+SmolLM2-135M-Instruct, reward ``gsm8k_correctness``, lr 1e-5 (``SMOLLM2``).
 """
 from __future__ import annotations
 
@@ -46,6 +50,18 @@ CONFIGS = {
     "g16": dict(hidden=64, layers=2, heads=4, group_size=16, prompts=8, max_new_tokens=32),
     "quick": dict(hidden=32, layers=1, heads=2, group_size=4, prompts=2, max_new_tokens=8),
 }
+# The real model (issue #21): the packaged SmolLM2-135M-Instruct GGUF, converted once to safetensors;
+# arithmetic prompts through its chat template, reward = answer correctness, lr 1e-5 (1e-4 is a toy's
+# rate). Ours runs with micro_batch_groups = 1 (one group per backward, the same gradient): TRL peaks
+# at ~16.5 GB here, so with our whole-batch backward (8.8 GB) the two sides would not fit this 24 GB
+# machine at once. Run these with --threads 2.
+SMOLLM2 = dict(model="smollm2-135m-instruct", reward="grpo_core.rewards:gsm8k_correctness",
+               common=dict(lr=1e-5), ours={"execution": {"micro_batch_groups": 1}})
+CONFIGS.update({
+    "smollm2": dict(SMOLLM2, group_size=8, prompts=8, max_new_tokens=48),
+    "smollm2_t128": dict(SMOLLM2, group_size=8, prompts=8, max_new_tokens=128),
+    "smollm2_g16": dict(SMOLLM2, group_size=16, prompts=8, max_new_tokens=48),
+})
 COMMON = dict(beta=0.04, lr=1e-4, temperature=1.0, top_k=0, top_p=1.0, clip=0.2, max_grad_norm=1.0,
               loss_type="dapo", seed=0)
 
@@ -70,8 +86,12 @@ def summarize(per_iter: list[dict], warmup: int) -> dict:
 
 
 def build_model_dir(spec: dict, path: Path) -> Path:
+    """A random tiny model saved to ``path``, or (``spec["model"]``) a real one's converted dir."""
+    from grpo_core.gguf_source import convert_gguf
     from grpo_core.models import build_tiny, save_policy
 
+    if "model" in spec:
+        return Path(convert_gguf(spec["model"])["uri"])
     model, tok = build_tiny("llama", spec["hidden"], spec["layers"], spec["heads"], seed=COMMON["seed"])
     return save_policy(model, tok, path)
 
@@ -128,11 +148,17 @@ def update_flops(model, batch) -> float:
     return 6.0 * body * (completion + prompt) + 6.0 * emb.shape[1] * head.shape[0] * completion
 
 
+def common_of(spec: dict) -> dict:
+    """The settings both sides share: COMMON, with the config's own changes."""
+    return {**COMMON, **spec.get("common", {})}
+
+
 def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emit=None,
              compile_scoring: bool = False, overrides: dict | None = None) -> list[dict]:
     """Our trainer's iterations; ``gate()`` (if given) is called before each one and ``emit(row)``
     after it (the lockstep protocol of ``run_lockstep``). ``overrides``: GRPOConfig fields that
-    replace the bench's common settings (``reward_fn`` names the reward instead)."""
+    replace the bench's common settings (``reward_fn`` names the reward instead); the config's
+    ``ours`` fields apply first."""
     import torch
 
     from grpo_core import dist
@@ -141,15 +167,16 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
     from grpo_core.trainer import TIMED_PHASES, Trainer, iteration_seed
 
     out_dir = tempfile.mkdtemp(prefix="bench_ours_")
-    settings = dict(overrides or {})
-    reward_fn = settings.pop("reward_fn", REWARD_FN)
+    settings = deep_merge(spec.get("ours", {}), dict(overrides or {}))
+    reward_fn = settings.pop("reward_fn", spec.get("reward", REWARD_FN))
+    common = common_of(spec)
     cfg = GRPOConfig(**deep_merge(dict(
         task="arithmetic", rewards=[{"fn": reward_fn, "weight": 1.0}], prompts_per_iter=spec["prompts"],
-        iterations=iters + warmup, seed=COMMON["seed"], runtime=dict(model=model_dir, output_dir=out_dir),
+        iterations=iters + warmup, seed=common["seed"], runtime=dict(model=model_dir, output_dir=out_dir),
         sampling=dict(group_size=spec["group_size"], max_new_tokens=spec["max_new_tokens"],
-                      temperature=COMMON["temperature"], top_k=COMMON["top_k"], top_p=COMMON["top_p"]),
-        loss=dict(type=COMMON["loss_type"], beta=COMMON["beta"], clip_low=COMMON["clip"]),
-        optim=dict(lr=COMMON["lr"], max_grad_norm=COMMON["max_grad_norm"], mu=1),
+                      temperature=common["temperature"], top_k=common["top_k"], top_p=common["top_p"]),
+        loss=dict(type=common["loss_type"], beta=common["beta"], clip_low=common["clip"]),
+        optim=dict(lr=common["lr"], max_grad_norm=common["max_grad_norm"], mu=1),
         execution=dict(compile_scoring=compile_scoring)), settings))
     trainer = Trainer(cfg, dist.init())
     rows = []
@@ -192,8 +219,8 @@ def worker(args) -> dict:
     else:
         from trl_runner import run_trl
 
-        rows = run_trl(spec, COMMON, REWARD_FN, args.model_dir, args.iters, args.warmup, gate, emit,
-                       torch_compile=compiled)
+        rows = run_trl(spec, common_of(spec), spec.get("reward", REWARD_FN), args.model_dir, args.iters,
+                       args.warmup, gate, emit, torch_compile=compiled)
     gate()  # idle until every side has run its last iteration: wrapping up must not share their CPU
     released = time.time()
     res = summarize(rows, args.warmup)

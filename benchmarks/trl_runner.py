@@ -35,7 +35,9 @@ def _timed(obj, name: str, acc: dict, key: str, only_no_grad: bool = False):
 
 
 def _dataset(model_dir: str, n: int):
-    """The arithmetic training prompts, rendered with the same chat template as our rollouts."""
+    """The arithmetic training prompts, rendered with the same chat template as our rollouts, and
+    their gold answers (TRL hands every dataset column to the reward function, as our trainer
+    hands it ``gold``)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
@@ -46,7 +48,7 @@ def _dataset(model_dir: str, n: int):
     rows = arithmetic.rows("train")
     prompts = render_prompts(tok, [r["prompt"] for r in rows])
     reps = -(-n // len(prompts))
-    return Dataset.from_dict({"prompt": (prompts * reps)[:n]}), tok
+    return Dataset.from_dict({"prompt": (prompts * reps)[:n], "gold": ([r["gold"] for r in rows] * reps)[:n]}), tok
 
 
 def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int, warmup: int,
