@@ -6,8 +6,9 @@ model (paired: exact McNemar p against the start and between the variants).
     .venv/bin/python benchmarks/bench_lora.py --variants full,lora   # both, one after the other
     .venv/bin/python benchmarks/bench_lora.py --variants full --keep # add full to the saved lora run
 
-Each variant is ``flows/configs/local.toml``'s ``[curriculum]`` table (30 iterations, 8 prompts x
-G=8, 48 new tokens, beta 0.04) with the variant's changes, trained by ``python -m grpo_core.train``
+Each variant is ``flows/configs/local.toml``'s ``[curriculum]`` table (8 prompts x G=8, 48 new
+tokens, beta 0.04) at the schedule the recorded results used (``MEASURED``: 30 iterations at lr
+1e-5; local.toml now runs 20 at 2e-5) with the variant's changes, trained by ``python -m grpo_core.train``
 in a child process of its own (peak RSS: that process's ``ru_maxrss``, model loading included;
 seconds per iteration: the median over iterations of metrics.jsonl's phase times). Evaluation is
 the pipeline's: greedy, the first ``[evaluate] arithmetic_size`` items of the 0..30 test split, cap
@@ -31,7 +32,9 @@ sys.path[:0] = [str(ROOT)]
 RESULTS = ROOT / "benchmarks" / "results"
 PHASES = ("time_generate", "time_reward", "time_ref", "time_update")  # metrics.jsonl's seconds per phase
 
-# name -> curriculum fields changed from local.toml (LoRA: 10x the full fine-tuning rate, the
+# the curriculum schedule of results/lora_smollm2.json, kept so that the command reproduces it
+MEASURED = {"iterations": 30, "optim": {"lr": 1e-5}}
+# name -> curriculum fields changed from MEASURED (LoRA: 10x the full fine-tuning rate, the
 # usual LoRA rule; rank 16 on every linear layer)
 VARIANTS = {
     "full": {},
@@ -44,7 +47,7 @@ def stage_config(variant: str, model: str, out: Path, iterations: int | None) ->
 
     pipe = PipelineConfig.from_dict(parse_config_text((ROOT / "flows/configs/local.toml").read_text()))
     changes = {**VARIANTS[variant], **({"iterations": iterations} if iterations else {})}
-    table = deep_merge(pipe.curriculum, changes)
+    table = deep_merge(deep_merge(pipe.curriculum, MEASURED), changes)
     cfg = PipelineConfig.from_dict({**pipe.to_dict(), "curriculum": table})
     return cfg.stage("curriculum", model=model, output_dir=str(out)).to_dict()
 
