@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # grpo_core, lockstep, trl_runner (also as a plain script)
-from lockstep import ITER, READY, RESULT, compare, cpu_set, pin_cpus, run_lockstep  # noqa: E402
+from lockstep import ITER, READY, RESULT, compare, cpu_set, pin_cpus, prompts_digest, run_lockstep, same_prompts  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 REWARD_FN = "grpo_core.rewards:target_char_fraction"
@@ -81,7 +81,8 @@ def summarize(per_iter: list[dict], warmup: int) -> dict:
            "split_s": {k: med(k) for k in ("generate", "reward", "ref_old_logp", "fwd_bwd_step")},
            "iters_measured": len(kept), "iters_warmup": len(per_iter) - len(kept),
            "all_s_per_iter": [round(r["total"], 4) for r in per_iter],
-           "iter_wall": [r["wall"] for r in per_iter if "wall" in r]}  # [start, end] Unix times: the lockstep
+           "iter_wall": [r["wall"] for r in per_iter if "wall" in r],  # [start, end] Unix times: the lockstep
+           "prompt_digests": [r.get("prompts") for r in per_iter]}
     return out
 
 
@@ -164,6 +165,7 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
     from grpo_core import dist
     from grpo_core.config import GRPOConfig
     from grpo_core.pipeline_config import deep_merge
+    from grpo_core.rollout import render_prompts
     from grpo_core.trainer import TIMED_PHASES, Trainer, iteration_seed
 
     out_dir = tempfile.mkdtemp(prefix="bench_ours_")
@@ -196,6 +198,7 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
                      "ref_old_logp": t["time_ref"], "fwd_bwd_step": t["time_update"] - t["time_ref"],
                      "tokens": float(batch.completion_mask.sum()), "completions": len(batch),
                      "update_flops": update_flops(trainer.model, batch),
+                     "prompts": prompts_digest(render_prompts(trainer.tok, batch.prompts)),
                      "reward_mean": m["reward"], "kl": m["kl"]})
         if emit:
             emit(rows[-1])
@@ -329,7 +332,9 @@ def _run(args, sides: list[str]) -> dict:
                           f"(cpu {res['cpu_s_per_iter']:.4f}) "
                           f"{res['tokens_per_s']:8.0f} tok/s  rss {res['peak_rss_mb']:.0f} MB  "
                           f"len {res['mean_completion_len']:.1f}  split {fmt_split(res['split_s'])}", flush=True)
-            report["configs"][name] = {"spec": CONFIGS[name], "summary": compare(runs), "runs": runs}
+            report["configs"][name] = {"spec": CONFIGS[name], "summary": compare(runs), "runs": runs,
+                                       "same_prompts": same_prompts(runs)}
+            print(f"== {name}: every side saw the same prompts in every iteration: {same_prompts(runs)}")
             print_summary(name, report["configs"][name]["summary"])
     out = Path(args.out_dir) / f"{args.name or 'bench_' + '_'.join(configs)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@ iteration of each side at a time, each waiting while the other runs, and the pai
 the runs. Worker and parent talk through tagged stdout lines and "go" lines on stdin."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -114,6 +115,21 @@ def compare(runs: dict[str, list[dict]]) -> dict:
                              cpu_ratio_vs_trl=out[side]["cpu_s_per_iter"] / out[base]["cpu_s_per_iter"],
                              rss_ratio_vs_trl=out[side]["peak_rss_mb"] / out[base]["peak_rss_mb"])
     return out
+
+
+def prompts_digest(prompts: list[str]) -> str:
+    """One iteration's distinct prompts, order-free, as 12 hex digits: two sides that were asked
+    the same questions in an iteration have the same digest."""
+    return hashlib.sha256("\n".join(sorted(set(prompts))).encode()).hexdigest()[:12]
+
+
+def same_prompts(runs: dict[str, list[dict]]) -> bool | None:
+    """Whether every side saw the same prompts in every iteration of every run (None: a side did
+    not record them)."""
+    seqs = [[r.get("prompt_digests") for r in rs] for rs in runs.values()]
+    if not all(digests and all(digests) for seq in seqs for digests in seq):
+        return None
+    return all(seq == seqs[0] for seq in seqs)
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float]:

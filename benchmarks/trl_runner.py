@@ -34,21 +34,22 @@ def _timed(obj, name: str, acc: dict, key: str, only_no_grad: bool = False):
     setattr(obj, name, wrapper)
 
 
-def _dataset(model_dir: str, n: int):
-    """The arithmetic training prompts, rendered with the same chat template as our rollouts, and
-    their gold answers (TRL hands every dataset column to the reward function, as our trainer
-    hands it ``gold``)."""
+def _dataset(model_dir: str, n: int, seed: int):
+    """The first ``n`` arithmetic training prompts in the order our trainer draws them
+    (``PromptStream(rows, seed)``: the same prompts, iteration by iteration, when TRL reads them
+    unshuffled), rendered with the same chat template as our rollouts, and their gold answers
+    (TRL hands every dataset column to the reward function, as our trainer hands it ``gold``)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
+    from grpo_core.data import PromptStream
     from grpo_core.rollout import render_prompts
     from grpo_core.tasks import arithmetic
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    rows = arithmetic.rows("train")
+    rows = PromptStream(arithmetic.rows("train"), seed).take(0, n)
     prompts = render_prompts(tok, [r["prompt"] for r in rows])
-    reps = -(-n // len(prompts))
-    return Dataset.from_dict({"prompt": (prompts * reps)[:n], "gold": ([r["gold"] for r in rows] * reps)[:n]}), tok
+    return Dataset.from_dict({"prompt": prompts, "gold": [r["gold"] for r in rows]}), tok
 
 
 def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int, warmup: int,
@@ -56,6 +57,7 @@ def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int
     """TRL's steps; ``gate()`` (if given) runs before each step's timer starts and ``emit(row)`` after
     the step (bench_grpo's lockstep protocol)."""
     import torch
+    from lockstep import prompts_digest
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -64,7 +66,7 @@ def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int
 
     steps = iters + warmup
     G, P = spec["group_size"], spec["prompts"]
-    dataset, tok = _dataset(model_dir, P * (steps + 2))
+    dataset, tok = _dataset(model_dir, P * (steps + 2), common["seed"])
     tok = prepare_tokenizer(tok)
     out_dir = tempfile.mkdtemp(prefix="bench_trl_")
     args = GRPOConfig(
@@ -76,7 +78,8 @@ def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int
         epsilon=common["clip"], learning_rate=common["lr"], lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=common["max_grad_norm"], loss_type=common["loss_type"],
         scale_rewards="group", use_bias_correction_kl=False, mask_truncated_completions=False,
-        seed=common["seed"], dataloader_num_workers=0, log_completions=False, torch_compile=torch_compile)
+        seed=common["seed"], dataloader_num_workers=0, log_completions=False, torch_compile=torch_compile,
+        shuffle_dataset=False)  # our prompt order (``_dataset``)
     reward = load_reward_fn(reward_fn)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tok)
@@ -84,6 +87,7 @@ def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int
 
     acc = dict.fromkeys(("generate", "reward", "ref_old_logp"), 0.0)
     lengths: list[int] = []
+    asked: list[str] = []  # this step's prompts digest (lockstep.prompts_digest)
     rows: list[dict] = []
     _timed(trainer, "_generate_single_turn", acc, "generate")
     _timed(trainer, "_calculate_rewards", acc, "reward")
@@ -93,6 +97,7 @@ def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int
     def counting_generate(prompts):
         out = gen(prompts)
         lengths.extend(len(c) for c in out[1])  # completion_ids, cut after EOS
+        asked.append(prompts_digest(prompts))
         return out
 
     trainer._generate = counting_generate
@@ -104,6 +109,7 @@ def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int
             for k in acc:
                 acc[k] = 0.0
             lengths.clear()
+            asked.clear()
             self.t0, self.c0, self.w0 = time.perf_counter(), time.process_time(), time.time()
 
         def on_step_end(self, *_, **__):
@@ -113,7 +119,8 @@ def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int
             rows.append({"total": total, "cpu": time.process_time() - self.c0, "wall": [self.w0, time.time()],
                          **acc, "fwd_bwd_step": rest,
                          "tokens": float(sum(lengths)),
-                         "completions": len(lengths), "reward_mean": _last(m, "reward"),
+                         "completions": len(lengths), "prompts": asked[0] if len(asked) == 1 else None,
+                         "reward_mean": _last(m, "reward"),
                          "kl": _last(m, "kl")})
             if emit:
                 emit(rows[-1])

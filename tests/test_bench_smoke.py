@@ -46,6 +46,17 @@ def test_sides_run_in_lockstep(tmp_path):
     assert [side for *_, side in spans] == ["ours", "ours-score", "ours-score", "ours", "ours", "ours-score"]
     # no worker wraps up (summary, exit) while another side's last iteration runs on the shared CPU
     assert min(runs[side][0]["released_at"] for side in runs) >= spans[-1][1]
+    assert report["configs"]["quick"]["same_prompts"] is True  # same seed: the same prompts each iteration
+
+
+def test_same_prompts_compares_every_iteration_of_every_run():
+    digest = lockstep.prompts_digest
+    a, b = digest(["q1", "q2", "q1"]), digest(["q2", "q1"])
+    assert a == b != digest(["q1", "q3"])  # order-free, and repeats (the G copies) do not count
+    run = lambda *d: {"prompt_digests": list(d)}  # noqa: E731
+    assert lockstep.same_prompts({"ours": [run(a, "x")], "trl": [run(b, "x")]}) is True
+    assert lockstep.same_prompts({"ours": [run(a, "x")], "trl": [run(a, "y")]}) is False
+    assert lockstep.same_prompts({"ours": [run(a, "x")], "trl": [run(a, None)]}) is None
 
 
 @pytest.mark.parametrize("name,parsed", [("ours", ("ours", [], False)), ("trl", ("trl", [], False)),
@@ -76,9 +87,11 @@ def test_trl_side_runs_the_same_config(tmp_path):
 
     spec = bench_grpo.CONFIGS["quick"]
     model_dir = bench_grpo.build_model_dir(spec, tmp_path / "m")
-    rows = run_trl(spec, bench_grpo.COMMON, bench_grpo.REWARD_FN, str(model_dir), iters=1, warmup=0)
-    assert len(rows) == 1 and rows[0]["completions"] == spec["prompts"] * spec["group_size"]
+    rows = run_trl(spec, bench_grpo.COMMON, bench_grpo.REWARD_FN, str(model_dir), iters=1, warmup=1)
+    assert len(rows) == 2 and rows[0]["completions"] == spec["prompts"] * spec["group_size"]
     assert rows[0]["generate"] > 0 and rows[0]["ref_old_logp"] > 0  # beta > 0: the reference forward ran
+    ours = bench_grpo.run_ours(spec, str(model_dir), iters=1, warmup=1)
+    assert [r["prompts"] for r in rows] == [r["prompts"] for r in ours]  # the same prompts, step by step
 
 
 def test_gpu_check_code_paths_on_cpu(tmp_path):
