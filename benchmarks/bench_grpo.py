@@ -52,15 +52,18 @@ CONFIGS = {
 }
 # The real model (issue #21): the packaged SmolLM2-135M-Instruct GGUF, converted once to safetensors;
 # arithmetic prompts through its chat template, reward = answer correctness, lr 1e-5 (1e-4 is a toy's
-# rate). Ours runs with micro_batch_groups = 1 (one group per backward, the same gradient): TRL peaks
-# at ~16.5 GB here, so with our whole-batch backward (8.8 GB) the two sides would not fit this 24 GB
-# machine at once. Run these with --threads 2.
+# rate). Ours runs with micro_batch_groups = 1 (one group per backward, the same gradient): with our
+# whole-batch backward the two workers would not fit this 24 GB machine at once (peak RSS per side:
+# benchmarks/NOTES.md). Run these with --threads 2.
 SMOLLM2 = dict(model="smollm2-135m-instruct", reward="grpo_core.rewards:gsm8k_correctness",
                common=dict(lr=1e-5), ours={"execution": {"micro_batch_groups": 1}})
+# At the larger shapes TRL's whole-batch step alone outgrows 24 GB (killed at 20.6 GB at 128 tokens),
+# so both sides backward one group at a time (TRL: gradient accumulation over one-group micro-batches,
+# the 64 or 128 completions still generated together).
 CONFIGS.update({
     "smollm2": dict(SMOLLM2, group_size=8, prompts=8, max_new_tokens=48),
-    "smollm2_t128": dict(SMOLLM2, group_size=8, prompts=8, max_new_tokens=128),
-    "smollm2_g16": dict(SMOLLM2, group_size=16, prompts=8, max_new_tokens=48),
+    "smollm2_t128": dict(SMOLLM2, group_size=8, prompts=8, max_new_tokens=128, trl_micro_batch=8),
+    "smollm2_g16": dict(SMOLLM2, group_size=16, prompts=8, max_new_tokens=48, trl_micro_batch=16),
 })
 COMMON = dict(beta=0.04, lr=1e-4, temperature=1.0, top_k=0, top_p=1.0, clip=0.2, max_grad_norm=1.0,
               loss_type="dapo", seed=0)

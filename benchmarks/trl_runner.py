@@ -52,43 +52,11 @@ def _dataset(model_dir: str, n: int, seed: int):
     return Dataset.from_dict({"prompt": prompts, "gold": [r["gold"] for r in rows]}), tok
 
 
-def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int, warmup: int,
-            gate=None, emit=None, torch_compile: bool = False) -> list[dict]:
-    """TRL's steps; ``gate()`` (if given) runs before each step's timer starts and ``emit(row)`` after
-    the step (bench_grpo's lockstep protocol)."""
-    import torch
+def _instrument(trainer, acc: dict, lengths: list[int], asked: list[str]) -> None:
+    """Time TRL's generation, rewards and no-grad log-prob calls into ``acc``; record each
+    generation's completion lengths and the digest of its prompts (``lockstep.prompts_digest``)."""
     from lockstep import prompts_digest
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_core.models import prepare_tokenizer
-    from grpo_core.rewards import load_reward_fn
-
-    steps = iters + warmup
-    G, P = spec["group_size"], spec["prompts"]
-    dataset, tok = _dataset(model_dir, P * (steps + 2), common["seed"])
-    tok = prepare_tokenizer(tok)
-    out_dir = tempfile.mkdtemp(prefix="bench_trl_")
-    args = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        per_device_train_batch_size=G * P, gradient_accumulation_steps=1, num_generations=G,
-        steps_per_generation=1, num_iterations=1, max_steps=steps, max_completion_length=spec["max_new_tokens"],
-        temperature=common["temperature"], top_k=common["top_k"], top_p=common["top_p"], beta=common["beta"],
-        epsilon=common["clip"], learning_rate=common["lr"], lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=common["max_grad_norm"], loss_type=common["loss_type"],
-        scale_rewards="group", use_bias_correction_kl=False, mask_truncated_completions=False,
-        seed=common["seed"], dataloader_num_workers=0, log_completions=False, torch_compile=torch_compile,
-        shuffle_dataset=False)  # our prompt order (``_dataset``)
-    reward = load_reward_fn(reward_fn)
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset,
-                          processing_class=tok)
-    assert trainer.ref_model is not None, "beta > 0 must load a reference model"
-
-    acc = dict.fromkeys(("generate", "reward", "ref_old_logp"), 0.0)
-    lengths: list[int] = []
-    asked: list[str] = []  # this step's prompts digest (lockstep.prompts_digest)
-    rows: list[dict] = []
     _timed(trainer, "_generate_single_turn", acc, "generate")
     _timed(trainer, "_calculate_rewards", acc, "reward")
     _timed(trainer, "_get_per_token_logps_and_entropies", acc, "ref_old_logp", only_no_grad=True)
@@ -101,6 +69,53 @@ def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int
         return out
 
     trainer._generate = counting_generate
+
+
+def _trl_config(config_cls, spec: dict, common: dict, steps: int, torch_compile: bool):
+    """TRL's GRPOConfig for one bench config. One generation of P x G completions and one optimizer
+    step per step; ``spec["trl_micro_batch"]`` (completions per forward/backward, default all of
+    them) splits the step into gradient-accumulation micro-batches, generated together
+    (``steps_per_generation`` = accumulation steps, so TRL runs no old-log-prob forward)."""
+    G, P = spec["group_size"], spec["prompts"]
+    micro = spec.get("trl_micro_batch") or G * P
+    accumulate = G * P // micro
+    return config_cls(
+        output_dir=tempfile.mkdtemp(prefix="bench_trl_"), use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False, report_to="none", save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulate,
+        num_generations=G, steps_per_generation=accumulate, num_iterations=1, max_steps=steps,
+        max_completion_length=spec["max_new_tokens"], temperature=common["temperature"], top_k=common["top_k"],
+        top_p=common["top_p"], beta=common["beta"], epsilon=common["clip"], learning_rate=common["lr"],
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=common["max_grad_norm"],
+        loss_type=common["loss_type"], scale_rewards="group", use_bias_correction_kl=False,
+        mask_truncated_completions=False, seed=common["seed"], dataloader_num_workers=0, log_completions=False,
+        torch_compile=torch_compile, shuffle_dataset=False)  # our prompt order (``_dataset``)
+
+
+def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int, warmup: int,
+            gate=None, emit=None, torch_compile: bool = False) -> list[dict]:
+    """TRL's steps; ``gate()`` (if given) runs before each step's timer starts and ``emit(row)`` after
+    the step (bench_grpo's lockstep protocol)."""
+    import torch
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_core.models import prepare_tokenizer
+    from grpo_core.rewards import load_reward_fn
+
+    steps = iters + warmup
+    dataset, tok = _dataset(model_dir, spec["prompts"] * (steps + 2), common["seed"])
+    args = _trl_config(GRPOConfig, spec, common, steps, torch_compile)
+    reward = load_reward_fn(reward_fn)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=prepare_tokenizer(tok))
+    assert trainer.ref_model is not None, "beta > 0 must load a reference model"
+
+    acc = dict.fromkeys(("generate", "reward", "ref_old_logp"), 0.0)
+    lengths: list[int] = []
+    asked: list[str] = []  # this step's prompts digest (lockstep.prompts_digest)
+    rows: list[dict] = []
+    _instrument(trainer, acc, lengths, asked)
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *_, **__):

@@ -92,6 +92,12 @@ def test_trl_side_runs_the_same_config(tmp_path):
     assert rows[0]["generate"] > 0 and rows[0]["ref_old_logp"] > 0  # beta > 0: the reference forward ran
     ours = bench_grpo.run_ours(spec, str(model_dir), iters=1, warmup=1)
     assert [r["prompts"] for r in rows] == [r["prompts"] for r in ours]  # the same prompts, step by step
+    # micro-batched by one group (the larger real-model configs): one generation and one optimizer
+    # step per step still, over the same prompts
+    micro = run_trl(dict(spec, trl_micro_batch=spec["group_size"]), bench_grpo.COMMON, bench_grpo.REWARD_FN,
+                    str(model_dir), iters=1, warmup=1)
+    assert [r["completions"] for r in micro] == [spec["prompts"] * spec["group_size"]] * 2
+    assert [r["prompts"] for r in micro] == [r["prompts"] for r in ours]
 
 
 def test_gpu_check_code_paths_on_cpu(tmp_path):
