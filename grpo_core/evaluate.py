@@ -21,14 +21,14 @@ def greedy_results(model, tok, rows: list[dict], *, max_new_tokens: int, batch_s
                    max_prompt_tokens: int = 2048, system_prompt: str | None = None, grade=is_correct,
                    engine=None, stop_loops: bool = True) -> list[dict]:
     """Greedy completion and its correctness for every row, graded by ``grade`` (the task's), and
-    how it ended: ``looped`` (it repeated itself verbatim, ``loops.py``: decoding stops there when
-    ``stop_loops``; or the cap cut it while it repeated itself with changing numbers,
-    ``loops.repeats_itself``), ``truncated`` (cut off at ``max_new_tokens`` while not looping),
+    how it ended (``loops.ending``): ``capped`` (decoding reached ``max_new_tokens``), ``looped``
+    (it repeated itself verbatim, and decoding stops there when ``stop_loops``; or it was capped
+    while repeating itself with changing numbers) and ``truncated`` (capped while not looping);
     else it ended with a stop token. The completions come from ``engine`` (a stage's rollout
     engine; default: ``engines.build("auto", tok)``), synced to ``model``, so prompts render and
     decode as the stage's rollouts do."""
     from grpo_core import engines
-    from grpo_core.loops import digit_token_ids, looped, repeats_itself
+    from grpo_core.loops import digit_token_ids, ending, looped
 
     engine = engine or engines.build("auto", tok)
     sampling = engines.Sampling(max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
@@ -36,32 +36,32 @@ def greedy_results(model, tok, rows: list[dict], *, max_new_tokens: int, batch_s
     was_training = model.training
     model.eval()
     engine.sync_weights(model)
-    out = []
+    digits, out = digit_token_ids(tok), []
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
         batch = engine.generate(chunk, 1, sampling)
         answer_tokens = batch.completion_mask.sum(-1) - (~batch.truncated).long()  # before the stop token
         loops = looped(batch.completion_ids, answer_tokens).tolist()
-        for j, (row, text, cut, loop) in enumerate(zip(chunk, batch.completions, batch.truncated.tolist(), loops)):
-            if cut and not loop:
-                loop = repeats_itself(batch.completion_ids[j, :answer_tokens[j]].tolist(), digit_token_ids(tok))
+        for j, (row, text, loop) in enumerate(zip(chunk, batch.completions, loops)):
+            n = int(answer_tokens[j])
+            how = ending(batch.completion_ids[j, :n].tolist(), n >= max_new_tokens, loop, digits)
             out.append({"item_id": row["id"], "correct": bool(grade(text, row["gold"])), "gold": row["gold"],
-                        "completion": text, "truncated": bool(cut and not loop), "looped": bool(loop)})
+                        "completion": text, **how})
     model.train(was_training)
     return out
 
 
 def summarize(results: list[dict]) -> dict:
-    """Accuracy with its Wilson 95% interval, the counts it came from, the share of answers cut
-    off by the generation cap while not looping (a cap that cuts many answers measures the cap,
-    not the model), and the share that looped (``greedy_results``: no cap would have ended them)."""
+    """Accuracy with its Wilson 95% interval, the counts it came from, and the shares of answers
+    (``greedy_results``) that the cap cut off while not looping (``truncated_frac``: a cap that
+    cuts many answers measures the cap, not the model), that looped (``looped_frac``), and that
+    reached the cap for either reason (``capped_frac``)."""
     n = len(results)
     k = sum(r["correct"] for r in results)
     low, high = wilson_interval(k, n)
-    cut = sum(bool(r.get("truncated")) for r in results)
-    loops = sum(bool(r.get("looped")) for r in results)
+    share = lambda key: sum(bool(r.get(key)) for r in results) / n if n else 0.0  # noqa: E731
     return {"accuracy": k / n if n else 0.0, "ci_low": low, "ci_high": high, "n": n, "correct": k,
-            "truncated_frac": cut / n if n else 0.0, "looped_frac": loops / n if n else 0.0}
+            "truncated_frac": share("truncated"), "looped_frac": share("looped"), "capped_frac": share("capped")}
 
 
 def compare_to_start(start: list[dict], other: list[dict]) -> dict:

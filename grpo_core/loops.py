@@ -1,4 +1,4 @@
-"""Verbatim loops in greedy completions: when an answer is already repeating itself.
+"""Loops in greedy completions: when an answer is already repeating itself.
 
 A small model's greedy answer often falls into a cycle ("She has 5 apples. She has 5 apples.
 ...") that it keeps repeating until the generation cap. Under greedy decoding such a cycle almost
@@ -20,10 +20,11 @@ incrementally, one decode step at a time, so a decoder can stop a row at the fir
 Some loops change their numbers as they go ("7944 students x 5 class = 4348 students. 4348
 students x 6 class = ..."), so no verbatim rule sees them. ``repeats_itself`` (``RepeatRule``)
 catches those, but only in answers the cap cut off: with every run of digit tokens read as one
-symbol, nearly all n-grams of the answer's last ``window`` tokens already occurred earlier in it.
-It is not used to stop decoding early: a repetitive answer sometimes still ends by itself, so only
-the cap may end one. What it decides is how a cut answer is counted: as a loop, or as cut while
-still going somewhere (the share that says whether the cap is too small).
+symbol, nearly all n-grams in the answer's last ``window`` symbols already occurred earlier in it.
+It needs ``window + ngram`` symbols (136 by default), so it never applies under a shorter cap. It
+is not used to stop decoding early: a repetitive answer sometimes still ends by itself, so only
+the cap may end one. What it decides is how a capped answer is counted (``ending``): as a loop,
+or as cut while still going somewhere (the share that says whether the cap is too small).
 """
 from __future__ import annotations
 
@@ -98,12 +99,18 @@ class LoopTracker:
 @dataclass(frozen=True)
 class RepeatRule:
     """When an answer cut off by the cap repeats itself with changing numbers (module docstring):
-    at least ``min_repeated`` of the ``ngram``-grams that start in its last ``window`` symbols
-    (digit runs collapsed) occurred earlier in the answer."""
+    at least ``min_repeated`` of the ``ngram``-grams lying within its last ``window`` symbols
+    (digit runs collapsed) also occur at an earlier start in the collapsed answer."""
 
     window: int = 128
     ngram: int = 8
     min_repeated: float = 0.9
+
+    def __post_init__(self):
+        if not 1 <= self.ngram <= self.window:
+            raise ValueError(f"RepeatRule: need 1 <= ngram <= window, got ngram={self.ngram}, window={self.window}")
+        if not 0.0 < self.min_repeated <= 1.0:
+            raise ValueError(f"RepeatRule: min_repeated must be in (0, 1], got {self.min_repeated}")
 
 
 DIGITS = "0123456789"
@@ -112,7 +119,10 @@ NUMBER = -1  # the symbol a run of digit tokens collapses to
 
 @functools.lru_cache(maxsize=4)
 def digit_token_ids(tok) -> frozenset[int]:
-    """The ids of ``tok``'s vocabulary whose text is ASCII digits (with any surrounding space)."""
+    """The ids of ``tok``'s vocabulary whose text, stripped of surrounding space, is ASCII digits.
+    With a vocabulary of space-prefixed number tokens ("Ġ12"), "12 34" is then one run, one
+    ``NUMBER``. Cached per tokenizer object (tokenizers compare by identity): a tokenizer whose
+    vocabulary grows afterwards needs ``digit_token_ids.cache_clear()``."""
     texts = tok.batch_decode([[i] for i in range(len(tok))])
     return frozenset(i for i, t in enumerate(texts) if t.strip() and all(c in DIGITS for c in t.strip()))
 
@@ -131,8 +141,9 @@ def numbers_collapsed(ids: Sequence[int], digit_ids: frozenset[int]) -> list[int
 
 
 def repeated_share(ids: Sequence[int], digit_ids: frozenset[int], rule: RepeatRule = RepeatRule()) -> float | None:
-    """The share of n-grams starting in the last ``rule.window`` collapsed symbols that occurred
-    earlier in ``ids``; None when the answer is too short to judge."""
+    """The share of the n-grams lying within the last ``rule.window`` collapsed symbols that also
+    start earlier in the collapsed sequence; None when it is shorter than ``window + ngram``
+    symbols, too short to judge."""
     seq = numbers_collapsed(ids, digit_ids)
     n, start = rule.ngram, len(seq) - rule.window
     if start < n:
@@ -151,3 +162,13 @@ def repeats_itself(ids: Sequence[int], digit_ids: frozenset[int], rule: RepeatRu
     text with only numbers changed (``RepeatRule``)."""
     share = repeated_share(ids, digit_ids, rule)
     return share is not None and share >= rule.min_repeated
+
+
+def ending(ids: Sequence[int], capped: bool, verbatim: bool, digit_ids: frozenset[int],
+           rule: RepeatRule = RepeatRule()) -> dict[str, bool]:
+    """How one greedy answer (``ids``: its tokens before any stop token) ended. ``capped``: decoding
+    reached the generation cap; ``verbatim``: ``looped`` holds for it. Returns ``looped`` (a
+    verbatim loop, or capped while it repeats itself with changing numbers), ``truncated`` (capped
+    while not looping: what says a cap is too small) and ``capped`` as given."""
+    loop = verbatim or (capped and repeats_itself(ids, digit_ids, rule))
+    return {"truncated": capped and not loop, "looped": loop, "capped": capped}

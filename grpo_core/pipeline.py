@@ -21,7 +21,8 @@ from grpo_core.pipeline_config import PipelineConfig
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 RESUME_CHAIN = "resume_chain.json"  # in a training step's storage: the earlier attempts it resumes from
-ITEM_COLUMNS = ("item_id", "correct", "gold", "truncated", "looped", "completion")  # per-item evaluation table
+# the per-item evaluation table
+ITEM_COLUMNS = ("item_id", "correct", "gold", "truncated", "looped", "capped", "completion")
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,7 @@ def log_evaluation(ctx: RunContext, results: list[dict], datasets: dict) -> None
                        f"{prefix}/ci_high": s["ci_high"], f"{prefix}/n": s["n"],
                        f"{prefix}/truncated_frac": s.get("truncated_frac", 0.0),
                        f"{prefix}/looped_frac": s.get("looped_frac", 0.0),
+                       f"{prefix}/capped_frac": s.get("capped_frac", 0.0),
                        **{f"{prefix}/vs_start_{k}": vs[k] for k in ("delta", "p_value") if k in vs}}, step=0)
                 t.log_dict(r["items"][name], f"eval/{r['stage']}/items_{name}.json")
                 t.log_table({k: [i.get(k) for i in r["items"][name]] for k in ITEM_COLUMNS},

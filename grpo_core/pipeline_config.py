@@ -95,8 +95,8 @@ class EvalConfig:
     """Greedy generation cap of held-out arithmetic, the same for every model (the evaluation
     reports the share of answers it cut off: keep it under 5%). An answer that repeats itself
     verbatim (3 copies of a cycle, 64+ tokens) stops there and counts as looped, not cut: no cap
-    would end it. So does an answer the cap cuts while it repeats its own earlier text with only
-    the numbers changing (``grpo_core/loops.py``)."""
+    would end it. An answer the cap stops while it repeats its own earlier text with only the
+    numbers changing counts as looped too (it needs 136+ tokens to be judged; ``grpo_core/loops.py``)."""
     gsm8k_max_new_tokens: int = 0
     """Greedy generation cap of GSM8K test answers (chains of thought run longer); 0 = max_new_tokens."""
     batch_size: int = 64

@@ -13,6 +13,7 @@ from grpo_core.loops import (
     LoopTracker,
     RepeatRule,
     digit_token_ids,
+    ending,
     looped,
     numbers_collapsed,
     repeated_share,
@@ -137,6 +138,7 @@ def test_greedy_results_counts_loops_apart_from_cut_answers():
         assert not (a["looped"] and a["truncated"]), "a looped answer is not counted as cut"
         if a["looped"]:
             assert len(a["completion"]) < len(b["completion"]) and b["completion"].startswith(a["completion"])
+            assert b["capped"] and not a["capped"], "stopped at the loop, not at the cap"
     assert any(a["looped"] for a in stopped)
     s = summarize(stopped)
     assert s["looped_frac"] == sum(a["looped"] for a in stopped) / 2
@@ -196,3 +198,25 @@ def test_repeated_share_equals_a_string_search_reference(seed):
         assert repeats_itself(seq, digits, rule) == (want is not None and want >= 0.9)
         shares.append(want)
     assert any(s == 1.0 for s in shares) and any(s is not None and s < 0.9 for s in shares)
+
+
+def test_ending_counts_a_capped_answer_that_repeats_with_new_numbers_as_looped():
+    _, tok = build_tiny("llama", hidden=32, layers=1, heads=2)
+    digits = digit_token_ids(tok)
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    counting = enc(" ".join(f"{n} students x {k} class = {n * k} students." for k, n in enumerate(range(7, 40), 2)))
+    rng = random.Random(1)
+    going = enc("".join(rng.choice("abcdefghijklmnopqrstuvwxyz ,.=+") for _ in range(300)))
+    assert ending(counting, True, False, digits) == {"truncated": False, "looped": True, "capped": True}
+    assert ending(going, True, False, digits) == {"truncated": True, "looped": False, "capped": True}
+    # an answer that ended by itself is never truncated nor judged by the repeat rule
+    assert ending(counting, False, False, digits) == {"truncated": False, "looped": False, "capped": False}
+    # a verbatim loop is a loop whether the decoder stopped it or the cap did
+    assert ending(going, False, True, digits) == {"truncated": False, "looped": True, "capped": False}
+    assert ending(going, True, True, digits) == {"truncated": False, "looped": True, "capped": True}
+
+
+@pytest.mark.parametrize("bad", [dict(ngram=0), dict(ngram=200), dict(min_repeated=0.0), dict(min_repeated=1.5)])
+def test_repeat_rule_refuses_settings_it_cannot_judge_with(bad):
+    with pytest.raises(ValueError, match="RepeatRule"):
+        RepeatRule(**bad)

@@ -266,5 +266,5 @@ def test_a_rerun_of_the_evaluation_logging_adds_no_second_point(sqlite_uri):
     for key, value in (("eval/arithmetic_test/sft/accuracy", 0.25), ("eval/arithmetic_test/accuracy", 0.5)):
         assert [m.value for m in client.get_metric_history(run.info.run_id, key)] == [value], key
     items = _load_table(sqlite_uri, run, "eval/gsm8k/items_arithmetic_test_table.json")  # per item, once
-    assert list(items.columns) == ["item_id", "correct", "gold", "truncated", "looped", "completion"]
+    assert list(items.columns) == ["item_id", "correct", "gold", "truncated", "looped", "capped", "completion"]
     assert items[["item_id", "correct"]].to_dict("list") == {"item_id": ["a"], "correct": [True]}
