@@ -8,7 +8,7 @@ model (paired: exact McNemar p against the start and between the variants).
 
 Each variant is ``flows/configs/local.toml``'s ``[curriculum]`` table (8 prompts x G=8, 48 new
 tokens, beta 0.04) at the schedule the recorded results used (``MEASURED``: 30 iterations at lr
-1e-5; local.toml now runs 20 at 2e-5) with the variant's changes, trained by ``python -m grpo_core.train``
+1e-5, whatever local.toml's own schedule) with the variant's changes, trained by ``python -m grpo_core.train``
 in a child process of its own (peak RSS: that process's ``ru_maxrss``, model loading included;
 seconds per iteration: the median over iterations of metrics.jsonl's phase times). Evaluation is
 the pipeline's: greedy, the first ``[evaluate] arithmetic_size`` items of the 0..30 test split, cap
