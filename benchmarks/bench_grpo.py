@@ -157,6 +157,11 @@ def common_of(spec: dict) -> dict:
     return {**COMMON, **spec.get("common", {})}
 
 
+def reward_of(spec: dict) -> str:
+    """The reward both sides score with: the config's, else the toy ``REWARD_FN``."""
+    return spec.get("reward", REWARD_FN)
+
+
 def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emit=None,
              compile_scoring: bool = False, overrides: dict | None = None) -> list[dict]:
     """Our trainer's iterations; ``gate()`` (if given) is called before each one and ``emit(row)``
@@ -173,7 +178,7 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
 
     out_dir = tempfile.mkdtemp(prefix="bench_ours_")
     settings = deep_merge(spec.get("ours", {}), dict(overrides or {}))
-    reward_fn = settings.pop("reward_fn", spec.get("reward", REWARD_FN))
+    reward_fn = settings.pop("reward_fn", reward_of(spec))
     common = common_of(spec)
     cfg = GRPOConfig(**deep_merge(dict(
         task="arithmetic", rewards=[{"fn": reward_fn, "weight": 1.0}], prompts_per_iter=spec["prompts"],
@@ -225,8 +230,8 @@ def worker(args) -> dict:
     else:
         from trl_runner import run_trl
 
-        rows = run_trl(spec, common_of(spec), spec.get("reward", REWARD_FN), args.model_dir, args.iters,
-                       args.warmup, gate, emit, torch_compile=compiled)
+        rows = run_trl(spec, common_of(spec), reward_of(spec), args.model_dir, args.iters, args.warmup, gate,
+                       emit, torch_compile=compiled)
     gate()  # idle until every side has run its last iteration: wrapping up must not share their CPU
     released = time.time()
     res = summarize(rows, args.warmup)
@@ -335,9 +340,10 @@ def _run(args, sides: list[str]) -> dict:
                           f"(cpu {res['cpu_s_per_iter']:.4f}) "
                           f"{res['tokens_per_s']:8.0f} tok/s  rss {res['peak_rss_mb']:.0f} MB  "
                           f"len {res['mean_completion_len']:.1f}  split {fmt_split(res['split_s'])}", flush=True)
+            same = same_prompts(runs)
             report["configs"][name] = {"spec": CONFIGS[name], "summary": compare(runs), "runs": runs,
-                                       "same_prompts": same_prompts(runs)}
-            print(f"== {name}: every side saw the same prompts in every iteration: {same_prompts(runs)}")
+                                       "same_prompts": same}
+            print(f"== {name}: every side saw the same prompts in every iteration: {same}")
             print_summary(name, report["configs"][name]["summary"])
     out = Path(args.out_dir) / f"{args.name or 'bench_' + '_'.join(configs)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,7 @@ def greedy_results(model, tok, rows: list[dict], *, max_new_tokens: int, batch_s
         loops = looped(batch.completion_ids, answer_tokens).tolist()
         for j, (row, text, loop) in enumerate(zip(chunk, batch.completions, loops)):
             n = int(answer_tokens[j])
-            how = ending(batch.completion_ids[j, :n].tolist(), n >= max_new_tokens, loop, digits)
+            how = ending(batch.completion_ids[j, :n], n >= max_new_tokens, loop, digits)
             out.append({"item_id": row["id"], "correct": bool(grade(text, row["gold"])), "gold": row["gold"],
                         "completion": text, **how})
     model.train(was_training)

@@ -164,11 +164,14 @@ def repeats_itself(ids: Sequence[int], digit_ids: frozenset[int], rule: RepeatRu
     return share is not None and share >= rule.min_repeated
 
 
-def ending(ids: Sequence[int], capped: bool, verbatim: bool, digit_ids: frozenset[int],
+def ending(ids: Sequence[int] | torch.Tensor, capped: bool, verbatim: bool, digit_ids: frozenset[int],
            rule: RepeatRule = RepeatRule()) -> dict[str, bool]:
-    """How one greedy answer (``ids``: its tokens before any stop token) ended. ``capped``: decoding
-    reached the generation cap; ``verbatim``: ``looped`` holds for it. Returns ``looped`` (a
-    verbatim loop, or capped while it repeats itself with changing numbers), ``truncated`` (capped
-    while not looping: what says a cap is too small) and ``capped`` as given."""
+    """How one greedy answer (``ids``: its tokens before any stop token, a list or a 1-D tensor)
+    ended. ``capped``: decoding reached the generation cap; ``verbatim``: ``looped`` holds for it.
+    Returns ``looped`` (a verbatim loop, or capped while it repeats itself with changing numbers),
+    ``truncated`` (capped while not looping: what says a cap is too small) and ``capped`` as given.
+    The tokens are read only for a capped answer that is not a verbatim loop."""
+    if capped and not verbatim and isinstance(ids, torch.Tensor):
+        ids = ids.tolist()
     loop = verbatim or (capped and repeats_itself(ids, digit_ids, rule))
     return {"truncated": capped and not loop, "looped": loop, "capped": capped}

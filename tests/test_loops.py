@@ -208,6 +208,7 @@ def test_ending_counts_a_capped_answer_that_repeats_with_new_numbers_as_looped()
     rng = random.Random(1)
     going = enc("".join(rng.choice("abcdefghijklmnopqrstuvwxyz ,.=+") for _ in range(300)))
     assert ending(counting, True, False, digits) == {"truncated": False, "looped": True, "capped": True}
+    assert ending(torch.tensor(counting), True, False, digits) == ending(counting, True, False, digits)  # a row
     assert ending(going, True, False, digits) == {"truncated": True, "looped": False, "capped": True}
     # an answer that ended by itself is never truncated nor judged by the repeat rule
     assert ending(counting, False, False, digits) == {"truncated": False, "looped": False, "capped": False}
