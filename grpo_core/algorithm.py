@@ -191,3 +191,103 @@ def token_entropy(logits: Tensor, temperature: float = 1.0, chunk_size: int = 10
         logp = z - torch.logsumexp(z, dim=-1, keepdim=True)  # [n, V]
         out.append(-(logp.exp() * logp).sum(dim=-1))  # [n]
     return torch.cat(out).view(logits.shape[:-1])  # [B, T]
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """log_softmax((hidden @ weight.T + bias) / tau).gather(targets) without the [N, V] logits.
+
+    The LM head runs ``chunk_size`` positions at a time in forward, and again in backward (one more
+    head matmul per position), so neither pass holds logits or their gradient for more than one
+    chunk. Saved for backward: hidden, the weight, the [N] logsumexp and, with ``keep_last``, the
+    last chunk's softmax, which backward then need not recompute (every chunk, when the positions
+    fit in one). Matmuls run in ``compute_dtype`` (an autocast dtype, or the hidden states' own),
+    the softmax math in float32 (float64 stays), and the weight's gradient sums in float32 at least.
+    The entropy, when asked, comes from the same forward logits and carries no gradient. Backward
+    runs once (it reuses the kept softmax's memory).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, compute_dtype, with_entropy,
+                keep_last):
+        w = weight.to(compute_dtype)  # one copy per call, not per chunk (a no-op when dtypes match)
+        b = None if bias is None else bias.to(compute_dtype)
+        logp, lse, ent, probs = [], [], [], None
+        for start in range(0, hidden.shape[0], chunk_size):
+            h = hidden[start:start + chunk_size].to(compute_dtype)  # [n, H]
+            z = torch.nn.functional.linear(h, w, b)
+            z = z.to(_float_dtype(z)) / temperature  # [n, V]
+            lse.append(torch.logsumexp(z, dim=-1))  # [n]
+            logp.append(z.gather(-1, targets[start:start + len(h), None]).squeeze(-1) - lse[-1])
+            last = start + chunk_size >= hidden.shape[0]
+            if with_entropy or (keep_last and last):
+                p = torch.exp(z - lse[-1][:, None])  # [n, V] softmax
+                if with_entropy:
+                    ent.append(lse[-1] - (p * z).sum(-1))  # H = lse - E[z]
+                if keep_last and last:
+                    probs = p
+        ctx.save_for_backward(hidden, weight, bias, targets, torch.cat(lse), probs)
+        ctx.temperature, ctx.chunk_size, ctx.compute_dtype = temperature, chunk_size, compute_dtype
+        entropy = torch.cat(ent) if with_entropy else hidden.new_zeros(0)
+        ctx.mark_non_differentiable(entropy)
+        return torch.cat(logp), entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, bias, targets, lse, probs = ctx.saved_tensors
+        tau, cdt = ctx.temperature, ctx.compute_dtype
+        w = weight.to(cdt)
+        b = None if bias is None else bias.to(cdt)
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        acc = torch.promote_types(cdt, torch.float32)  # bf16 matmuls, float32 sums over chunks
+        grad_w = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
+        grad_b = torch.zeros_like(bias, dtype=acc) if bias is not None and ctx.needs_input_grad[2] else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            h = hidden[rows].to(cdt)  # [n, H]
+            if probs is not None and start + ctx.chunk_size >= hidden.shape[0]:
+                d = probs.neg_()  # [n, V], kept from forward (backward runs once)
+            else:
+                z = torch.nn.functional.linear(h, w, b)
+                z = z.to(_float_dtype(z)) / tau  # [n, V], recomputed
+                d = -torch.exp(z - lse[rows, None])  # [n, V]: d logp / d z = onehot - softmax
+            d.scatter_add_(-1, targets[rows, None], torch.ones_like(targets[rows, None], dtype=d.dtype))
+            d = (d * (grad_logp[rows, None] / tau)).to(cdt)  # d loss / d logits
+            if grad_h is not None:
+                grad_h[rows] = (d @ w).to(hidden.dtype)  # [n, H]
+            if grad_w is not None:  # [V, H]
+                grad_w.addmm_(d.t(), h) if acc == cdt else grad_w.add_(torch.mm(d.t(), h))
+            if grad_b is not None:
+                grad_b += d.sum(0)
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None)
+
+
+def head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
+                  bias: Tensor | None = None, chunk_size: int = 1024, compute_dtype: torch.dtype | None = None,
+                  with_entropy: bool = False, keep_last: bool = True) -> tuple[Tensor, Tensor | None]:
+    """Log-prob of each target token under softmax((hidden @ weight.T + bias) / temperature), and
+    its entropy if asked: ``token_logprobs``/``token_entropy`` of the LM head's logits, computed
+    ``chunk_size`` positions at a time so no [B, T, V] logits (or logits gradient) ever exist.
+
+    hidden: [B, T, H] (the decoder's final states); weight: [V, H]; bias: [V] or None; targets:
+    [B, T] valid ids. Differentiable w.r.t. hidden, weight and bias. compute_dtype: the matmuls'
+    dtype (default hidden's; pass autocast's dtype to match an autocast forward). keep_last: keep the
+    last chunk's [<= chunk_size, V] softmax for backward (under grad only) instead of recomputing
+    it; a caller that scores in several calls keeps it in one, to hold one chunk in all. Returns
+    logp [B, T] in float32 (float64 for float64 inputs) and entropy [B, T] detached, or None.
+    """
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"targets must be hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, {hidden.shape[-1]}] for hidden [..., {hidden.shape[-1]}], "
+                         f"got {tuple(weight.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    flat = hidden.reshape(-1, hidden.shape[-1])  # [B*T, H]
+    logp, ent = _HeadLogprobs.apply(flat, weight, bias, targets.reshape(-1), float(temperature), int(chunk_size),
+                                    compute_dtype or hidden.dtype, bool(with_entropy),
+                                    keep_last and torch.is_grad_enabled())
+    return logp.view(targets.shape), (ent.view(targets.shape) if with_entropy else None)

@@ -60,14 +60,16 @@ def _forward_cache_kwarg(forward) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def prefill(model, ids, mask, logits_to_keep: int = 1):
-    """Run left-padded prompts [N, P] with generate's position ids; returns (output, DynamicCache)."""
+def prefill(model, ids, mask, logits_to_keep: int | None = 1):
+    """Run left-padded prompts [N, P] with generate's position ids; returns (output, DynamicCache).
+    ``logits_to_keep=None``: ``model`` is a decoder stack without its LM head (``last_hidden_state``)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    keep = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                logits_to_keep=logits_to_keep, **{cache_kwarg(model): cache})
+                **keep, **{cache_kwarg(model): cache})
     return out, cache
 
 

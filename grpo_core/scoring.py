@@ -5,15 +5,18 @@ without them a left-padded batch is scored at shifted positions and the on-polic
 silently becomes off-policy. When the G rows of every group share one prompt, the prompt is run
 once per group and its (differentiable) KV cache is shared by the G completions, and rows are
 scored in length-sorted chunks that stop at each chunk's longest completion, so positions after
-EOS cost (almost) nothing. Log-probs are taken at the sampling temperature, and only the
-completion positions' logits are computed, never a [B, P+T, V] tensor.
+EOS cost (almost) nothing. Log-probs are taken at the sampling temperature, and only at the
+completion positions. Where the model's logits are just its LM head's output (``chunked_head``),
+the decoder stack runs alone and the head runs ``HEAD_CHUNK`` positions at a time, in forward and
+backward (``algorithm.head_logprobs``): no [B, T, V] logits, nor their gradient, ever exist, and
+at most one chunk's softmax waits for backward per scoring call.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from grpo_core.algorithm import token_entropy, token_logprobs
+from grpo_core.algorithm import head_logprobs, token_entropy, token_logprobs
 from grpo_core.decode import cache_kwarg, prefill
 from grpo_core.models import activation_checkpointing
 from grpo_core.types import RolloutBatch
@@ -73,21 +76,25 @@ def length_chunks(lengths: list[int], call_cost: float | None = None) -> list[li
     return [order[a:b] for a, b in reversed(bounds)]
 
 
-def _shared_prefix_logits(model, batch: RolloutBatch, device):
-    """Completion-position logits in pieces: [(rows [b] or None for all rows, logits [b, L, V])], L =
-    the piece's longest completion (EOS included); each prompt run once, its KV cache shared by its G rows.
+def _shared_prefix_outputs(model, batch: RolloutBatch, device, decoder=None):
+    """Completion-position outputs in pieces: [(rows [b] or None for all rows, out [b, L, .])], L =
+    the piece's longest completion (EOS included); each prompt run once, its KV cache shared by its
+    G rows. ``out`` is the model's logits [b, L, V], or with ``decoder`` (the model's own decoder
+    stack) its final hidden states [b, L, H], for the LM head to run in chunks.
 
     The cache keeps its autograd graph, so gradients reach the prompt positions as in a full
-    forward. Same positions and mask as ``forward_inputs``, so the logits at every position up
+    forward. Same positions and mask as ``forward_inputs``, so the outputs at every position up
     to a row's EOS equal the full forward's up to float rounding; later positions are not computed.
     """
     G, P = batch.group_size, batch.prompt_ids.shape[1]
-    out, prefix = prefill(model, batch.prompt_ids[::G].to(device).contiguous(),
-                          batch.prompt_mask[::G].to(device).contiguous())
+    ids, mask = batch.prompt_ids[::G].to(device).contiguous(), batch.prompt_mask[::G].to(device).contiguous()
+    call = model if decoder is None else decoder
+    out, prefix = prefill(call, ids, mask, 1 if decoder is None else None)
+    first = (out.logits if decoder is None else out.last_hidden_state)[:, -1:]         # [N, 1, V or H]
     # Repeated G times first, then rows picked: the backward of a pick with repeated indices
     # (row // G) accumulates in a thread-dependent order; of unique ones, it does not (bitwise resume).
     prefix.batch_repeat_interleave(G)
-    first = out.logits[:, -1:].repeat_interleave(G, 0)                                 # [B, 1, V]
+    first = first.repeat_interleave(G, 0)                                              # [B, 1, .]
     _, attn, pos = forward_inputs(batch, device)
     ids = batch.completion_ids.to(device)  # picked by device indices below: CUDA refuses a CPU tensor
     lengths = batch.completion_mask.sum(-1).clamp(min=1).tolist()
@@ -101,15 +108,56 @@ def _shared_prefix_logits(model, batch: RolloutBatch, device):
             cache = type(prefix)(config=model.config)
             for i, layer in enumerate(prefix.layers):
                 cache.update(layer.keys[pick], layer.values[pick], i)
-        logits = first[pick]                                                           # [b, 1, V]
+        out = first[pick]                                                              # [b, 1, .]
         if L > 1:
             inputs = dict(input_ids=ids[pick, :L - 1], attention_mask=attn[pick, :P + L - 1],
                           position_ids=pos[pick, P:P + L - 1])  # contiguous: a compiled scorer guards on strides
-            rest = model(**{k: v.to(device).contiguous() for k, v in inputs.items()}, use_cache=True,
-                         **{cache_kwarg(model): cache}).logits
-            logits = torch.cat([logits, rest], 1)                                      # [b, L, V]
-        pieces.append((rows, logits))
+            inputs = {k: v.to(device).contiguous() for k, v in inputs.items()}
+            rest = call(**inputs, use_cache=True, **{cache_kwarg(call): cache})
+            out = torch.cat([out, rest.logits if decoder is None else rest.last_hidden_state], 1)  # [b, L, .]
+        pieces.append((rows, out))
     return pieces
+
+
+def _full_forward_outputs(model, batch: RolloutBatch, device, decoder=None):
+    """One forward of prompt + completion: the model's logits [B, T, V] at the positions that
+    predict the completion tokens, or with ``decoder`` its final hidden states there [B, T, H]."""
+    T = batch.completion_ids.shape[1]
+    ids, attn, pos = forward_inputs(batch, device)
+    if decoder is None:
+        return model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1,
+                     use_cache=False).logits[:, :-1]
+    return decoder(input_ids=ids, attention_mask=attn, position_ids=pos,
+                   use_cache=False).last_hidden_state[:, -T - 1:-1]
+
+
+# LM-head positions per chunk (``algorithm.head_logprobs``); 0: the model's own head, whose logits
+# [B, T, V] exist whole (and their gradient too, in the update)
+HEAD_CHUNK = 1024
+# Model types whose logits are exactly ``lm_head(final hidden states)``: no scale, no soft-capping
+HEAD_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def chunked_head(model):
+    """(decoder stack, LM head ``nn.Linear``) when the head can run in chunks outside the model,
+    else None: head chunks off, a compiled scorer (its graph is the whole model), or a model
+    whose logits are not just the head's output (soft-capping, scaling, an adapter on the head)."""
+    if not HEAD_CHUNK or hasattr(model, "_orig_mod"):
+        return None
+    if getattr(getattr(model, "config", None), "model_type", None) not in HEAD_MODEL_TYPES:
+        return None
+    head, decoder = model.get_output_embeddings(), model.get_decoder()
+    if type(head) is not torch.nn.Linear or decoder is None or decoder is model:
+        return None
+    return decoder, head
+
+
+def _head_dtype(hidden: torch.Tensor):
+    """The dtype an autocast forward would run the head's matmul in (None: hidden's own)."""
+    kind = hidden.device.type
+    if hidden.dtype == torch.float64 or not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
 
 
 class CompletionScorer(torch.nn.Module):
@@ -157,18 +205,25 @@ def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_ent
         return model(batch, temperature, with_entropy)  # DDP's or FSDP's root around the scorer
     device = next(model.parameters()).device
     T, targets = batch.completion_ids.shape[1], batch.completion_ids.to(device)
+    decoder, head = (None, None) if ddp else (chunked_head(model) or (None, None))  # DDP: its own forward
     if shared_prefix and groups_share_prompts(batch) and not ddp and not _replays_layers(model):
-        pieces = _shared_prefix_logits(model, batch, device)                           # [(rows, [b, L, V])]
+        pieces = _shared_prefix_outputs(model, batch, device, decoder)                 # [(rows, [b, L, .])]
     else:
-        ids, attn, pos = forward_inputs(batch, device)
-        pieces = [(None, model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                               logits_to_keep=T + 1, use_cache=False).logits[:, :-1])]  # [B, T, V]
+        pieces = [(None, _full_forward_outputs(model, batch, device, decoder))]        # [(None, [B, T, .])]
     logp, ent = [], []
-    for rows, logits in pieces:
-        pad, pick = (0, T - logits.shape[1]), slice(None) if rows is None else rows
-        logp.append(F.pad(token_logprobs(logits, targets[pick, :logits.shape[1]], temperature), pad))
+    for i, (rows, out) in enumerate(pieces):
+        pad, pick = (0, T - out.shape[1]), slice(None) if rows is None else rows
+        tgt = targets[pick, :out.shape[1]]
+        if head is not None:  # one piece keeps its last chunk's softmax for backward: one chunk in all
+            lp, en = head_logprobs(out, head.weight, tgt, temperature, bias=head.bias, chunk_size=HEAD_CHUNK,
+                                   compute_dtype=_head_dtype(out), with_entropy=with_entropy,
+                                   keep_last=i == len(pieces) - 1)
+        else:
+            lp = token_logprobs(out, tgt, temperature)
+            en = token_entropy(out.detach(), temperature) if with_entropy else None
+        logp.append(F.pad(lp, pad))
         if with_entropy:
-            ent.append(F.pad(token_entropy(logits.detach(), temperature), pad))
+            ent.append(F.pad(en, pad))
     if len(pieces) == 1:
         return logp[0], (ent[0] if with_entropy else None)
     order = torch.cat([rows for rows, _ in pieces]).argsort()                          # back to batch order

@@ -33,8 +33,8 @@ rank0_groups = int(sys.argv[8]) if len(sys.argv) > 8 and int(sys.argv[8]) > 0 el
 last_rank_empty = len(sys.argv) > 9 and sys.argv[9] == "last-rank-empty"  # its groups out of the loss
 extra = json.loads(sys.argv[10]) if len(sys.argv) > 10 else {}
 shared_calls = []
-_shared = scoring._shared_prefix_logits
-scoring._shared_prefix_logits = lambda *a, **k: shared_calls.append(1) or _shared(*a, **k)
+_shared = scoring._shared_prefix_outputs
+scoring._shared_prefix_outputs = lambda *a, **k: shared_calls.append(1) or _shared(*a, **k)
 info = dist.init()
 fields = dict(runtime={"model": model_dir, "output_dir": out_file + ".d"},
               loss={"type": loss_type, "beta": 0.04, "scale": scale}, optim={"lr": 1e-2, "max_grad_norm": 0.0},
