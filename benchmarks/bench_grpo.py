@@ -105,7 +105,8 @@ def build_model_dir(spec: dict, path: Path) -> Path:
 # Our speed levers, each of which a side named "ours-<lever>" switches off (before/after in one run)
 LEVERS = {"decode": "shared-prefix decode loop (else transformers generate)",
           "score": "shared-prefix scoring forward for reference and policy (else full forward)",
-          "chunks": "length-sorted scoring chunks that skip positions after EOS (else one padded call)"}
+          "chunks": "length-sorted scoring chunks that skip positions after EOS (else one padded call)",
+          "head": "LM head run in position chunks (else the model's own head: whole [b, L, V] logits)"}
 
 
 def parse_side(name: str) -> tuple[str, list[str], bool]:
@@ -137,6 +138,8 @@ def disable_levers(names: list[str]) -> None:
             scoring.groups_share_prompts = lambda batch: False
         if name == "chunks":
             scoring.SCORE_CALL_COST = float("inf")
+        if name == "head":
+            scoring.HEAD_CHUNK = 0
 
 
 def update_flops(model, batch) -> float:

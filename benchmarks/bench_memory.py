@@ -41,7 +41,11 @@ VARIANTS = {
     # LoRA as bench_lora.py trains it (rank 16 on all linear layers; adapters take a 10x larger lr)
     "lora": {"lora": {"rank": 16, "alpha": 32.0}, "optim": {"lr": 1e-4}},
     "lora+mb1": {"lora": {"rank": 16, "alpha": 32.0}, "optim": {"lr": 1e-4}, "execution": {"micro_batch_groups": 1}},
+    # the model's own LM head (scoring.HEAD_CHUNK = 0): whole [b, L, V] logits and their gradient
+    "fullhead": {},
+    "mb1+fullhead": {"execution": {"micro_batch_groups": 1}},
 }
+WHOLE_LOGITS = ("fullhead", "mb1+fullhead")
 
 
 def model_dir(source: str) -> str:
@@ -74,24 +78,80 @@ def matmul_peak_gflops(n: int = 2048, reps: int = 10) -> float:
     return 2 * n**3 / statistics.median(times) / 1e9
 
 
+def current_rss_gb() -> float:
+    """This process's resident set now (``VmRSS``), in GB."""
+    line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("VmRSS:"))
+    return int(line.split()[1]) / 2**20
+
+
+class SavedActivations:
+    """The bytes autograd saves for backward in each scoring forward with grad (the update's
+    micro-batches), parameters aside: what one backward's activations hold at its start. Storages
+    are counted once however many tensors view them."""
+
+    def __init__(self):
+        self.largest = 0
+
+    def wrap(self, score):
+        import torch
+
+        def scored(model, *args, **kwargs):
+            if not torch.is_grad_enabled():
+                return score(model, *args, **kwargs)
+            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            storages = {}
+
+            def pack(t):
+                s = t.untyped_storage()
+                if s.data_ptr() not in params:
+                    storages[s.data_ptr()] = s.nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = score(model, *args, **kwargs)
+            self.largest = max(self.largest, sum(storages.values()))
+            return out
+        return scored
+
+
 def worker(args) -> dict:
     import resource
 
     import torch
     from bench_grpo import run_ours
 
+    import grpo_core.trainer as trainer_module
+    from grpo_core.sharding import training_bytes
+
     torch.set_num_threads(args.threads)
+    if args.worker in WHOLE_LOGITS:
+        from grpo_core import scoring
+        scoring.HEAD_CHUNK = 0
     overrides = {"optim": {"lr": 1e-5}, "reward_fn": "grpo_core.rewards:gsm8k_correctness", **VARIANTS[args.worker]}
+    runtime_gb = current_rss_gb()  # python, torch and transformers imported, nothing loaded
+    held, saved, real_update = {}, SavedActivations(), trainer_module.Trainer.update
+    trainer_module.completion_logprobs = saved.wrap(trainer_module.completion_logprobs)
+
+    def update(self, batch):  # what the process holds right after an optimizer step
+        out = real_update(self, batch)
+        held.update(training_bytes(self.model, self.opt))
+        held["reference"] = sum(p.numel() * p.element_size() for p in self.ref.parameters()) if self.ref else 0
+        return out
+
+    trainer_module.Trainer.update = update
     rows = run_ours(SHAPE, args.model_dir, args.iters, args.warmup, overrides=overrides)
     kept = rows[args.warmup:] or rows
     med = lambda k: round(statistics.median(r[k] for r in kept), 2)  # noqa: E731
     full = "lora" not in VARIANTS[args.worker]  # LoRA skips the base weights' gradients: another count
     achieved = statistics.median(r["update_flops"] / r["fwd_bwd_step"] for r in kept) / 1e9 if full else None
     peak = matmul_peak_gflops()
-    return {"variant": args.worker, "settings": VARIANTS[args.worker], "threads": args.threads,
+    settings = {**VARIANTS[args.worker], **({"scoring.HEAD_CHUNK": 0} if args.worker in WHOLE_LOGITS else {})}
+    return {"variant": args.worker, "settings": settings, "threads": args.threads,
             "update_gflops": achieved and round(achieved, 1), "matmul_peak_gflops": round(peak, 1),
             "update_of_peak": achieved and round(achieved / peak, 3),
             "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+            "breakdown_gb": {"runtime": round(runtime_gb, 2), **{k: round(v / 2**30, 2) for k, v in held.items()},
+                             "saved_activations": round(saved.largest / 2**30, 2)},
             "s_per_iter": med("total"), "generate_s": med("generate"), "reference_s": med("ref_old_logp"),
             "update_s": med("fwd_bwd_step"), "mean_completion_len": round(
                 sum(r["tokens"] for r in kept) / sum(r["completions"] for r in kept), 1),
@@ -109,6 +169,21 @@ def table(results: list[dict]) -> str:
                      f"{r['generate_s']:.1f} | {r['reference_s']:.1f} | {r['update_s']:.1f} | "
                      + (f"{r['update_gflops']:.1f} ({r['update_of_peak']:.0%} of {r['matmul_peak_gflops']:.0f}) |"
                         if r.get("update_gflops") else "- |"))
+    return "\n".join(lines)
+
+
+def breakdown_table(results: list[dict]) -> str:
+    """Where each variant's peak goes: the runtime before loading, the bytes held after a step,
+    the largest micro-batch's saved activations, and the rest (transients of backward and
+    generation, allocator slack)."""
+    keys = ("runtime", "params", "reference", "grads", "optimizer", "saved_activations")
+    lines = ["| variant | peak RSS GB | runtime | policy | reference | gradients | AdamW | saved activations "
+             "(largest micro-batch) | rest |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        b = r["breakdown_gb"]
+        rest = r["peak_rss_gb"] - sum(b.get(k, 0) for k in keys)
+        lines.append(f"| {r['variant']} | {r['peak_rss_gb']:.2f} | "
+                     + " | ".join(f"{b.get(k, 0):.2f}" for k in keys) + f" | {rest:.2f} |")
     return "\n".join(lines)
 
 
@@ -138,6 +213,7 @@ def main(argv=None) -> list[dict]:
         results.append(run_worker(cmd, {**os.environ, "OMP_NUM_THREADS": str(args.threads)}, f"variant {name}"))
         print(f"{name}: {results[-1]['peak_rss_gb']} GB, {results[-1]['s_per_iter']} s/iter", flush=True)
     print(table(results))
+    print(breakdown_table(results))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(
         {"shape": SHAPE, "source": args.source, "iters": args.iters, "warmup": args.warmup, "results": results},

@@ -140,3 +140,33 @@ def test_fsdp2_bench_runs_both_sides_on_a_tiny_model(monkeypatch, tmp_path):
     ddp, fsdp2 = by_side["ddp"][0]["held_bytes"], by_side["fsdp2"][0]["held_bytes"]
     assert 0.4 < fsdp2["optimizer"] / ddp["optimizer"] < 0.6 and by_side["fsdp2"][0]["gathers_per_iter"] == 2
     assert json.loads((tmp_path / "smoke.json").read_text())["results"] == results
+
+
+def test_head_lever_switches_the_chunked_lm_head_off(monkeypatch):
+    from grpo_core import scoring
+
+    monkeypatch.setattr(scoring, "HEAD_CHUNK", scoring.HEAD_CHUNK)  # restored after the test
+    assert bench_grpo.parse_side("ours-head") == ("ours", ["head"], False)
+    bench_grpo.disable_levers(["head"])
+    assert scoring.HEAD_CHUNK == 0
+
+
+def test_saved_activations_see_the_whole_logits_only_without_head_chunks(monkeypatch):
+    """bench_memory's breakdown counts what autograd saves: the model's own head saves [B, T+1, V]
+    logits, head chunks of 4 positions save one [4, V] softmax instead; parameters never count."""
+    import bench_memory
+
+    from grpo_core import scoring
+    from grpo_core.scoring import completion_logprobs
+    from tests.test_head_chunks import _rollout
+
+    model, batch = _rollout()
+    B, T, V = *batch.completion_ids.shape, model.config.vocab_size
+    saved = {}
+    for chunk in (4, 0):
+        monkeypatch.setattr(scoring, "HEAD_CHUNK", chunk)
+        counter = bench_memory.SavedActivations()
+        logp, _ = counter.wrap(completion_logprobs)(model, batch, 1.0, shared_prefix=False)
+        logp.sum().backward()
+        saved[chunk] = counter.largest
+    assert 0 < saved[4] and saved[0] - saved[4] >= (B * T - 4) * V * 4, saved
