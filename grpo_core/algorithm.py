@@ -120,13 +120,20 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------- chunked log-probs / entropy
 
-def _row_chunks(logits: Tensor, chunk_size: int):
-    """Yield (start, chunk [n, V]) over the flattened rows of logits [B, T, V]."""
+def _row_chunks(x: Tensor, chunk_size: int):
+    """Yield (start, chunk [n, D]) over the flattened rows of x [..., D] (logits, hidden states)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    flat = logits.reshape(-1, logits.shape[-1])  # [B*T, V]
+    flat = x.reshape(-1, x.shape[-1])  # [B*T, D]
     for start in range(0, flat.shape[0], chunk_size):
         yield start, flat[start:start + chunk_size]
+
+
+def _logits_grad(minus_softmax: Tensor, targets: Tensor, grad_out: Tensor, tau: float) -> Tensor:
+    """d loss / d logits of log_softmax(logits / tau).gather(targets) for n rows: (onehot - softmax)
+    x grad_out / tau, built in place in ``minus_softmax`` [n, V]; targets and grad_out: [n, 1]."""
+    minus_softmax.scatter_add_(-1, targets, torch.ones_like(targets, dtype=minus_softmax.dtype))
+    return minus_softmax.mul_(grad_out / tau)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -158,9 +165,7 @@ class _TokenLogprobs(torch.autograd.Function):
         for start, chunk in _row_chunks(logits, ctx.chunk_size):
             rows = slice(start, start + len(chunk))
             z = chunk.to(_float_dtype(chunk)) / tau  # [n, V]
-            d = -torch.exp(z - lse[rows, None])  # [n, V] d logp / d z = onehot - softmax
-            d.scatter_add_(-1, tgt[rows], torch.ones_like(tgt[rows], dtype=d.dtype))
-            grad[rows] = (d * (g[rows] / tau)).to(grad.dtype)
+            grad[rows] = _logits_grad(-torch.exp(z - lse[rows, None]), tgt[rows], g[rows], tau).to(grad.dtype)
         return grad.view(logits.shape), None, None, None
 
 
@@ -212,8 +217,8 @@ class _HeadLogprobs(torch.autograd.Function):
         w = weight.to(compute_dtype)  # one copy per call, not per chunk (a no-op when dtypes match)
         b = None if bias is None else bias.to(compute_dtype)
         logp, lse, ent, probs = [], [], [], None
-        for start in range(0, hidden.shape[0], chunk_size):
-            h = hidden[start:start + chunk_size].to(compute_dtype)  # [n, H]
+        for start, h in _row_chunks(hidden, chunk_size):
+            h = h.to(compute_dtype)  # [n, H]
             z = torch.nn.functional.linear(h, w, b)
             z = z.to(_float_dtype(z)) / temperature  # [n, V]
             lse.append(torch.logsumexp(z, dim=-1))  # [n]
@@ -242,17 +247,15 @@ class _HeadLogprobs(torch.autograd.Function):
         acc = torch.promote_types(cdt, torch.float32)  # bf16 matmuls, float32 sums over chunks
         grad_w = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
         grad_b = torch.zeros_like(bias, dtype=acc) if bias is not None and ctx.needs_input_grad[2] else None
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
-            h = hidden[rows].to(cdt)  # [n, H]
+        for start, h in _row_chunks(hidden, ctx.chunk_size):
+            rows, h = slice(start, start + len(h)), h.to(cdt)  # [n, H]
             if probs is not None and start + ctx.chunk_size >= hidden.shape[0]:
-                d = probs.neg_()  # [n, V], kept from forward (backward runs once)
+                minus_softmax = probs.neg_()  # [n, V], kept from forward (backward runs once)
             else:
                 z = torch.nn.functional.linear(h, w, b)
                 z = z.to(_float_dtype(z)) / tau  # [n, V], recomputed
-                d = -torch.exp(z - lse[rows, None])  # [n, V]: d logp / d z = onehot - softmax
-            d.scatter_add_(-1, targets[rows, None], torch.ones_like(targets[rows, None], dtype=d.dtype))
-            d = (d * (grad_logp[rows, None] / tau)).to(cdt)  # d loss / d logits
+                minus_softmax = -torch.exp(z - lse[rows, None])
+            d = _logits_grad(minus_softmax, targets[rows, None], grad_logp[rows, None], tau).to(cdt)
             if grad_h is not None:
                 grad_h[rows] = (d @ w).to(hidden.dtype)  # [n, H]
             if grad_w is not None:  # [V, H]
@@ -284,9 +287,7 @@ def head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: 
                          f"got {tuple(weight.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    flat = hidden.reshape(-1, hidden.shape[-1])  # [B*T, H]
+    flat = hidden.reshape(-1, hidden.shape[-1])  # [B*T, H]; chunk_size is checked by _row_chunks
     logp, ent = _HeadLogprobs.apply(flat, weight, bias, targets.reshape(-1), float(temperature), int(chunk_size),
                                     compute_dtype or hidden.dtype, bool(with_entropy),
                                     keep_last and torch.is_grad_enabled())
