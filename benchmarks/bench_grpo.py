@@ -105,8 +105,11 @@ def build_model_dir(spec: dict, path: Path) -> Path:
 # Our speed levers, each of which a side named "ours-<lever>" switches off (before/after in one run)
 LEVERS = {"decode": "shared-prefix decode loop (else transformers generate)",
           "score": "shared-prefix scoring forward for reference and policy (else full forward)",
-          "chunks": "length-sorted scoring chunks that skip positions after EOS (else one padded call)",
-          "head": "LM head run in position chunks (else the model's own head: whole [b, L, V] logits)"}
+          "chunks": "length-sorted scoring chunks that skip positions after EOS (else one padded call; "
+                    "padded pieces only, so packing goes off too)",
+          "head": "LM head run in position chunks (else the model's own head: whole [b, L, V] logits; "
+                  "packed scoring needs the chunked head, so packing goes off too)",
+          "pack": "packed, padding-free scoring of shared prompts (else padded pieces through the model's forward)"}
 
 
 def parse_side(name: str) -> tuple[str, list[str], bool]:
@@ -136,10 +139,12 @@ def disable_levers(names: list[str]) -> None:
             decode.fast_decode_supported = lambda model: False
         if name == "score":
             scoring.groups_share_prompts = lambda batch: False
-        if name == "chunks":
-            scoring.SCORE_CALL_COST = float("inf")
+        if name == "chunks":  # a lever of the padded pieces, which packing replaces
+            scoring.SCORE_CALL_COST, scoring.PACKED = float("inf"), False
         if name == "head":
             scoring.HEAD_CHUNK = 0
+        if name == "pack":
+            scoring.PACKED = False
 
 
 def update_flops(model, batch) -> float:

@@ -44,8 +44,12 @@ VARIANTS = {
     # the model's own LM head (scoring.HEAD_CHUNK = 0): whole [b, L, V] logits and their gradient
     "fullhead": {},
     "mb1+fullhead": {"execution": {"micro_batch_groups": 1}},
+    # shared-prefix pieces padded to each piece's longest completion (scoring.PACKED = False)
+    "padded": {},
+    "mb1+padded": {"execution": {"micro_batch_groups": 1}},
 }
 WHOLE_LOGITS = ("fullhead", "mb1+fullhead")
+PADDED = ("padded", "mb1+padded")
 
 
 def model_dir(source: str) -> str:
@@ -124,9 +128,11 @@ def worker(args) -> dict:
     from grpo_core.sharding import training_bytes
 
     torch.set_num_threads(args.threads)
+    from grpo_core import scoring
     if args.worker in WHOLE_LOGITS:
-        from grpo_core import scoring
         scoring.HEAD_CHUNK = 0
+    if args.worker in PADDED:
+        scoring.PACKED = False
     overrides = {"optim": {"lr": 1e-5}, "reward_fn": "grpo_core.rewards:gsm8k_correctness", **VARIANTS[args.worker]}
     runtime_gb = current_rss_gb()  # python, torch and transformers imported, nothing loaded
     held, saved, real_update = {}, SavedActivations(), trainer_module.Trainer.update
@@ -145,7 +151,8 @@ def worker(args) -> dict:
     full = "lora" not in VARIANTS[args.worker]  # LoRA skips the base weights' gradients: another count
     achieved = statistics.median(r["update_flops"] / r["fwd_bwd_step"] for r in kept) / 1e9 if full else None
     peak = matmul_peak_gflops()
-    settings = {**VARIANTS[args.worker], **({"scoring.HEAD_CHUNK": 0} if args.worker in WHOLE_LOGITS else {})}
+    settings = {**VARIANTS[args.worker], **({"scoring.HEAD_CHUNK": 0} if args.worker in WHOLE_LOGITS else {}),
+                **({"scoring.PACKED": False} if args.worker in PADDED else {})}
     return {"variant": args.worker, "settings": settings, "threads": args.threads,
             "update_gflops": achieved and round(achieved, 1), "matmul_peak_gflops": round(peak, 1),
             "update_of_peak": achieved and round(achieved / peak, 3),

@@ -9,7 +9,10 @@ EOS cost (almost) nothing. Log-probs are taken at the sampling temperature, and 
 completion positions. Where the model's logits are just its LM head's output (``chunked_head``),
 the decoder stack runs alone and the head runs ``HEAD_CHUNK`` positions at a time, in forward and
 backward (``algorithm.head_logprobs``): no [B, T, V] logits, nor their gradient, ever exist, and
-at most one chunk's softmax waits for backward per scoring call.
+at most one chunk's softmax waits for backward per scoring call. Where the model's layers are
+mirrored by ``packed_scoring`` (Llama and Qwen2 layouts) and the head runs in chunks, shared
+prompts are scored packed instead (``PACKED``): every prompt once and every completion up to its
+EOS in one padding-free matrix, so each weight matmul is a single call over real tokens only.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from grpo_core.algorithm import head_logprobs, token_entropy, token_logprobs
 from grpo_core.decode import cache_kwarg, prefill
 from grpo_core.models import activation_checkpointing
+from grpo_core.packed_scoring import packed_hidden, packed_supported
 from grpo_core.types import RolloutBatch
 
 
@@ -136,6 +140,8 @@ def _full_forward_outputs(model, batch: RolloutBatch, device, decoder=None):
 HEAD_CHUNK = 1024
 # Model types whose logits are exactly ``lm_head(final hidden states)``: no scale, no soft-capping
 HEAD_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# Score grouped completions packed, without padding (``packed_scoring``), where the model allows
+PACKED = True
 
 
 def chunked_head(model):
@@ -160,13 +166,30 @@ def _head_dtype(hidden: torch.Tensor):
     return torch.get_autocast_dtype(kind)
 
 
+def _packed_logprobs(model, head, batch: RolloutBatch, temperature: float, with_entropy: bool, device):
+    """``completion_logprobs`` through ``packed_scoring``: no padding, prompts in the same matmuls."""
+    hidden, targets, slots = packed_hidden(model, batch, device)                      # [S, H], [S], [B, W]
+    lp, en = head_logprobs(hidden[None], head.weight, targets[None], temperature, bias=head.bias,
+                           chunk_size=HEAD_CHUNK, compute_dtype=_head_dtype(hidden), with_entropy=with_entropy)
+    B, T = batch.completion_ids.shape
+    width = max(T, slots.shape[1])
+    slots = F.pad(slots, (0, width - slots.shape[1]))
+
+    def unpack(values):  # [1, S] -> [B, T], zeros after each row's EOS
+        return values.new_zeros(B, width).masked_scatter(slots, values[0])[:, :T]
+
+    return unpack(lp), (unpack(en) if with_entropy else None)
+
+
 class CompletionScorer(torch.nn.Module):
     """``completion_logprobs`` of a policy as one module call, for DDP to wrap.
 
-    DDP allows exactly one forward per backward, while shared-prefix scoring calls the model twice
-    (the prompts once per group, then the completions on the repeated cache). Wrapping this module
-    instead of the bare model makes both calls one DDP forward, so multi-rank training keeps the
-    saving. Parameters are the model's own; checkpoints and saved models use ``models.unwrap``.
+    DDP allows exactly one forward per backward and hooks only its wrapped module's forward, while
+    shared-prefix scoring calls the model twice (the prompts once per group, then the completions
+    on the repeated cache), or, packed, calls the layers' submodules without the model's forward
+    at all. Wrapping this module instead of the bare model makes either one DDP forward, so
+    multi-rank training keeps the saving. Parameters are the model's own; checkpoints and saved
+    models use ``models.unwrap``.
 
     ``shared_prefix=False`` always takes the full forward, one model call whatever the batch:
     FSDP gathers and reduces per layer call, so every rank must call each layer equally often,
@@ -206,7 +229,10 @@ def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_ent
     device = next(model.parameters()).device
     T, targets = batch.completion_ids.shape[1], batch.completion_ids.to(device)
     decoder, head = (None, None) if ddp else (chunked_head(model) or (None, None))  # DDP: its own forward
-    if shared_prefix and groups_share_prompts(batch) and not ddp and not _replays_layers(model):
+    shared = shared_prefix and groups_share_prompts(batch) and not ddp and not _replays_layers(model)
+    if shared and head is not None and PACKED and packed_supported(model):
+        return _packed_logprobs(model, head, batch, temperature, with_entropy, device)
+    if shared:
         pieces = _shared_prefix_outputs(model, batch, device, decoder)                 # [(rows, [b, L, .])]
     else:
         pieces = [(None, _full_forward_outputs(model, batch, device, decoder))]        # [(None, [B, T, .])]

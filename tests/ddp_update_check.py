@@ -35,6 +35,8 @@ extra = json.loads(sys.argv[10]) if len(sys.argv) > 10 else {}
 shared_calls = []
 _shared = scoring._shared_prefix_outputs
 scoring._shared_prefix_outputs = lambda *a, **k: shared_calls.append(1) or _shared(*a, **k)
+_packed = scoring._packed_logprobs  # the padding-free form of the same shared-prompt scoring
+scoring._packed_logprobs = lambda *a, **k: shared_calls.append(1) or _packed(*a, **k)
 info = dist.init()
 fields = dict(runtime={"model": model_dir, "output_dir": out_file + ".d"},
               loss={"type": loss_type, "beta": 0.04, "scale": scale}, optim={"lr": 1e-2, "max_grad_norm": 0.0},

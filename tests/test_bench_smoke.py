@@ -151,6 +151,34 @@ def test_head_lever_switches_the_chunked_lm_head_off(monkeypatch):
     assert scoring.HEAD_CHUNK == 0
 
 
+def test_pack_lever_switches_packed_scoring_off(monkeypatch):
+    from grpo_core import scoring
+
+    monkeypatch.setattr(scoring, "PACKED", scoring.PACKED)  # restored after the test
+    assert scoring.PACKED and bench_grpo.parse_side("ours-pack") == ("ours", ["pack"], False)
+    bench_grpo.disable_levers(["pack"])
+    assert scoring.PACKED is False
+
+
+@pytest.mark.parametrize("lever", ["head", "chunks", "pack"])
+def test_head_chunks_and_pack_levers_each_leave_the_packed_path(monkeypatch, lever):
+    """Packed scoring needs the chunked head and replaces the length chunks: switching either lever
+    off scores through the padded pieces, as the lever descriptions say."""
+    from grpo_core import packed_scoring, scoring
+    from grpo_core.scoring import completion_logprobs
+    from tests.test_head_chunks import _rollout
+
+    for name in ("PACKED", "HEAD_CHUNK", "SCORE_CALL_COST"):
+        monkeypatch.setattr(scoring, name, getattr(scoring, name))  # restored after the test
+    calls, real = [], packed_scoring.packed_hidden
+    monkeypatch.setattr(scoring, "packed_hidden", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model, batch = _rollout()
+    completion_logprobs(model, batch, 1.0)
+    bench_grpo.disable_levers([lever])
+    completion_logprobs(model, batch, 1.0)
+    assert calls == [1]
+
+
 def test_saved_activations_see_the_whole_logits_only_without_head_chunks(monkeypatch):
     """bench_memory's breakdown counts what autograd saves: the model's own head saves [B, T+1, V]
     logits, head chunks of 4 positions save one [4, V] softmax instead; parameters never count."""

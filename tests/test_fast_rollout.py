@@ -145,6 +145,7 @@ def test_shared_prefix_scoring_equals_full_forward_in_value_and_gradient(monkeyp
         cmask[row, length:] = False
     batch = RolloutBatch(ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), comp, cmask, trunc, G, [], [])
     monkeypatch.setattr(scoring, "SCORE_CALL_COST", call_cost)
+    monkeypatch.setattr(scoring, "PACKED", False)  # the padded pieces (packed: test_packed_scoring.py)
     chunks = []
     monkeypatch.setattr(scoring, "length_chunks", lambda *a, **k: chunks.append(length_chunks(*a, **k)) or chunks[-1])
     results = []

@@ -99,6 +99,7 @@ def test_chunked_head_scores_what_the_models_own_logits_score(monkeypatch, arch,
     embeddings: head and input both) of the model's own logits (HEAD_CHUNK = 0)."""
     model, batch = _rollout(arch)
     monkeypatch.setattr(scoring, "SCORE_CALL_COST", 0)  # a piece per distinct length
+    monkeypatch.setattr(scoring, "PACKED", False)  # the padded pieces (packed: test_packed_scoring.py)
     calls = []
     real = scoring.head_logprobs
     monkeypatch.setattr(scoring, "head_logprobs", lambda *a, **k: calls.append(k["keep_last"]) or real(*a, **k))
@@ -169,13 +170,14 @@ def test_update_never_holds_more_than_a_chunk_of_logits(monkeypatch, head_chunk)
         assert seen.largest >= batch.completion_ids.numel() * V
 
 
-@pytest.mark.parametrize("shared_prefix", [True, False])
-def test_what_waits_for_backward_is_one_chunk_of_softmax_in_all(monkeypatch, shared_prefix):
+@pytest.mark.parametrize("shared_prefix,packed", [(True, True), (True, False), (False, False)])
+def test_what_waits_for_backward_is_one_chunk_of_softmax_in_all(monkeypatch, shared_prefix, packed):
     """Of vocabulary width, autograd keeps at most one [<= 4, V] softmax for backward per scoring
-    call, however many pieces (completion lengths) the shared-prefix scorer makes; the model's own
-    head keeps every scored position's logits."""
+    call: packed, or however many pieces (completion lengths) the padded shared-prefix scorer
+    makes, or the full forward; the model's own head keeps every scored position's logits."""
     model, batch = _rollout()
     monkeypatch.setattr(scoring, "SCORE_CALL_COST", 0)  # a piece per distinct length
+    monkeypatch.setattr(scoring, "PACKED", packed)
     V, H = model.config.vocab_size, model.config.hidden_size
     kept = {}
     for chunk in (4, 0):
