@@ -41,15 +41,16 @@ VARIANTS = {
     # LoRA as bench_lora.py trains it (rank 16 on all linear layers; adapters take a 10x larger lr)
     "lora": {"lora": {"rank": 16, "alpha": 32.0}, "optim": {"lr": 1e-4}},
     "lora+mb1": {"lora": {"rank": 16, "alpha": 32.0}, "optim": {"lr": 1e-4}, "execution": {"micro_batch_groups": 1}},
-    # the model's own LM head (scoring.HEAD_CHUNK = 0): whole [b, L, V] logits and their gradient
+    # the model's own LM head (SCORING below): whole [b, L, V] logits and their gradient
     "fullhead": {},
     "mb1+fullhead": {"execution": {"micro_batch_groups": 1}},
-    # shared-prefix pieces padded to each piece's longest completion (scoring.PACKED = False)
+    # shared-prefix pieces padded to each piece's longest completion (SCORING below)
     "padded": {},
     "mb1+padded": {"execution": {"micro_batch_groups": 1}},
 }
-WHOLE_LOGITS = ("fullhead", "mb1+fullhead")
-PADDED = ("padded", "mb1+padded")
+# name -> grpo_core.scoring switches the variant sets (module settings, not trainer config)
+SCORING = {"fullhead": {"HEAD_CHUNK": 0}, "mb1+fullhead": {"HEAD_CHUNK": 0},
+           "padded": {"PACKED": False}, "mb1+padded": {"PACKED": False}}
 
 
 def model_dir(source: str) -> str:
@@ -129,10 +130,9 @@ def worker(args) -> dict:
 
     torch.set_num_threads(args.threads)
     from grpo_core import scoring
-    if args.worker in WHOLE_LOGITS:
-        scoring.HEAD_CHUNK = 0
-    if args.worker in PADDED:
-        scoring.PACKED = False
+    switches = SCORING.get(args.worker, {})
+    for name, value in switches.items():
+        setattr(scoring, name, value)
     overrides = {"optim": {"lr": 1e-5}, "reward_fn": "grpo_core.rewards:gsm8k_correctness", **VARIANTS[args.worker]}
     runtime_gb = current_rss_gb()  # python, torch and transformers imported, nothing loaded
     held, saved, real_update = {}, SavedActivations(), trainer_module.Trainer.update
@@ -151,8 +151,7 @@ def worker(args) -> dict:
     full = "lora" not in VARIANTS[args.worker]  # LoRA skips the base weights' gradients: another count
     achieved = statistics.median(r["update_flops"] / r["fwd_bwd_step"] for r in kept) / 1e9 if full else None
     peak = matmul_peak_gflops()
-    settings = {**VARIANTS[args.worker], **({"scoring.HEAD_CHUNK": 0} if args.worker in WHOLE_LOGITS else {}),
-                **({"scoring.PACKED": False} if args.worker in PADDED else {})}
+    settings = {**VARIANTS[args.worker], **{f"scoring.{name}": value for name, value in switches.items()}}
     return {"variant": args.worker, "settings": settings, "threads": args.threads,
             "update_gflops": achieved and round(achieved, 1), "matmul_peak_gflops": round(peak, 1),
             "update_of_peak": achieved and round(achieved / peak, 3),

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from grpo_core.decode import fast_decode_supported
+from grpo_core.decode import _signed_sin, fast_decode_supported
 from grpo_core.types import RolloutBatch
 
 
@@ -53,11 +53,10 @@ def packed_supported(model) -> bool:
         type(layer).forward is forwards[1] and type(layer.self_attn).forward is forwards[2] for layer in inner.layers)
 
 
-def _rotate(x, cos, sin):
-    """transformers' ``x * cos + rotate_half(x) * sin`` for x [m, heads, D], cos/sin [m, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos[:, None] + rotated * sin[:, None]
+def _rotate(x, cos, signed_sin):
+    """transformers' ``x * cos + rotate_half(x) * sin`` for x [m, heads, D], cos [m, D] and
+    ``decode._signed_sin(sin)``, as the decode loop rotates: ``roll(x, D/2) * signed sin``."""
+    return x * cos[:, None] + x.roll(x.shape[-1] // 2, -1) * signed_sin[:, None]
 
 
 class _Slots:
@@ -90,13 +89,13 @@ class _Layout:
         self.group_size = G = batch.group_size
         prompt_ids, prompt_pos, prompt_lengths = self._prompts(batch, device)
         lengths = batch.completion_mask.sum(-1).clamp(min=1).to(device)                   # [B] EOS included
-        Lq = max(int(lengths.max()) - 1, 1)
-        self.completions = _Slots(torch.arange(Lq, device=device) < (lengths - 1)[:, None])  # [B, Lq]
+        slots = torch.arange(max(int(lengths.max()) - 1, 1), device=device)              # [Lq]
+        Lq = len(slots)
+        self.completions = _Slots(slots < (lengths - 1)[:, None])                         # [B, Lq]
         comp_ids = self.completions.pack(batch.completion_ids.to(device)[:, :Lq])
-        comp_pos = self.completions.pack(prompt_lengths.repeat_interleave(G)[:, None] + torch.arange(Lq, device=device))
+        comp_pos = self.completions.pack(prompt_lengths.repeat_interleave(G)[:, None] + slots)
         self.ids, self.positions = torch.cat([prompt_ids, comp_ids]), torch.cat([prompt_pos, comp_pos])  # [M]
         self.n_prompt = len(prompt_ids)
-        slots = torch.arange(Lq, device=device)
         own = (slots[:, None] >= slots[None, :])[None] & self.completions.valid[:, None, :]     # [B, Lq, Lq]
         prompt_keys = self.prompts.valid.repeat_interleave(G, 0)[:, None, :].expand(-1, Lq, -1)
         self.completion_attn = torch.cat([prompt_keys, own], -1)[:, None]                 # [B, 1, Lq, Pm+Lq]
@@ -153,7 +152,7 @@ def packed_hidden(model, batch: RolloutBatch, device) -> tuple[torch.Tensor, tor
     inner, layout = model.model, _Layout(batch, device)
     x = inner.embed_tokens(layout.ids)                                                    # [M, H]
     cos, sin = inner.rotary_emb(x[None], layout.positions[None])
-    cos, sin = cos[0], sin[0]                                                             # [M, D]
+    cos, sin = cos[0], _signed_sin(sin[0])                                                # [M, D]
     for layer in inner.layers:
         attn = layer.self_attn
         h = layer.input_layernorm(x)
