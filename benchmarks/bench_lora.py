@@ -84,7 +84,7 @@ def evaluate(model_dir: str) -> list[dict]:
     arithmetic_only = dataclasses.replace(pipe.evaluate, gsm8k_size=-1)
     task = tasks.task("arithmetic")
     params = task.params_of(pipe.stage("curriculum", model="-"))
-    rows = eval_sets(arithmetic_only, {task.name: params})["arithmetic_test"]
+    rows = eval_sets(arithmetic_only, {"arithmetic_test": params})["arithmetic_test"]
     model, tok = load_policy(model_dir)
     torch.manual_seed(0)
     return greedy_results(model, tok, rows, max_new_tokens=pipe.evaluate.max_new_tokens)

@@ -22,6 +22,10 @@ PANELS = {
     "truncated_frac": "truncated fraction (hit sampling.max_new_tokens)",
     "entropy": "entropy (per token)",
     "eval_accuracy": "eval accuracy (greedy, validation)",
+    "pool_active": "prompt pool: active (seen, not solved or resting)",
+    "pool_solved": "prompt pool: solved (retired)",
+    "pool_resting": "prompt pool: resting (all wrong lately)",
+    "pool_replayed": "prompt pool: replayed prompts this iteration",
 }
 SAMPLE_ROWS = 6  # sampled completions shown: the best and the worst rewarded of the latest batch logged
 ANSWERS_PER_SET = 3  # greedy answers shown per held-out set, the same items for every stage
@@ -145,6 +149,39 @@ def _stage_row(r: dict, name: str, is_start: bool) -> list[str]:
             + _paired(previous)[:2])
 
 
+def _steps_rows(results: list[dict], name: str) -> list[list[str]]:
+    """A header and one row per stage of greedy accuracy per GSM8K steps bucket (none: [])."""
+    buckets = results[0].get("summary", {}).get(name, {}).get("by_steps")
+    if not buckets:
+        return []
+    rows = [["stage"] + [f"{k} steps" for k in buckets]]
+    for r in results:
+        b = r["summary"][name].get("by_steps", {})
+        rows.append([r["stage"]] + [f"{b[k]['accuracy']:.3f} ({round(b[k]['accuracy'] * b[k]['n'])} / {b[k]['n']})"
+                                    if k in b else "–" for k in buckets])
+    return rows
+
+
+def _sampled_header(s: dict, name: str, start: str) -> str:
+    return (f"### {name}: sampled accuracy (k = {s['k']} samples per item at temperature {s['temperature']}, "
+            f"the same {s['n']} items and seed for every stage)\n**mean@k**: right samples / all samples. "
+            "**pass@k**: items with at least one right sample. **p**: paired sign-flip permutation test on the "
+            f"per-item share of right samples against `{start}` (exact up to 18 items that differ).")
+
+
+def _sampled_row(r: dict, name: str, is_start: bool) -> list[str]:
+    s = r.get("sampled_summary", {}).get(name, {})
+    head = [r["stage"], f"{s.get('mean_at_k', 0):.3f}", f"{s.get('pass_at_k', 0):.3f}",
+            f"{s.get('correct_samples', '?')} / {s.get('samples', '?')}"]
+    if is_start:
+        return head + ["start model", "", "", "", ""]
+    vs, prev = (r.get(k, {}).get(name) or {} for k in ("sampled_vs_start", "sampled_vs_previous"))
+    cell = lambda v, key, fmt: format(v[key], fmt) if _finite(v.get(key)) else "–"  # noqa: E731
+    return head + [cell(vs, "delta", "+.3f"), cell(vs, "p_value", ".2g"),
+                   f"{vs.get('better_items', '?')} / {vs.get('worse_items', '?')}",
+                   cell(prev, "delta", "+.3f"), cell(prev, "p_value", ".2g")]
+
+
 def answer_items(results: list[dict], name: str, k: int = ANSWERS_PER_SET) -> list[str]:
     """``k`` item ids every stage answered: first those the stages disagree on, then the first items."""
     per_stage = [{i["item_id"]: i for i in r.get("items", {}).get(name, [])} for r in results]
@@ -174,6 +211,15 @@ def stage_table_card(card, results: list[dict]) -> None:
         card.append(Table([_stage_row(r, name, i == 0) for i, r in enumerate(results)],
                           headers=["stage", "accuracy [95% CI]", "correct / n", "cut off", "looped", f"vs {start}",
                                    "McNemar p", "gained / lost", "vs stage before", "McNemar p"]))
+        steps = _steps_rows(results, name)
+        if steps:
+            card.append(Markdown(f"### {name}: greedy accuracy by calculator steps (right / items)"))
+            card.append(Table(steps[1:], headers=steps[0]))
+        if name in results[0].get("sampled_summary", {}):
+            card.append(Markdown(_sampled_header(results[0]["sampled_summary"][name], name, start)))
+            card.append(Table([_sampled_row(r, name, i == 0) for i, r in enumerate(results)],
+                              headers=["stage", "mean@k", "pass@k", "right samples", f"vs {start}", "p",
+                                       "items better / worse", "vs stage before", "p"]))
         ids = answer_items(results, name)
         if not ids:
             continue

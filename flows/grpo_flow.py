@@ -27,7 +27,7 @@ os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.enviro
 
 from metaflow import Config, FlowSpec, card, current, parallel, step
 
-from grpo_core import launcher, pipeline
+from grpo_core import evaluation_step, launcher, pipeline
 from grpo_core.pipeline_config import PipelineConfig, parse_config_text
 
 from cards import registry_card, stage_table_card, training_card, training_result
@@ -111,7 +111,7 @@ class GRPOFlow(FlowSpec):
     def evaluate(self):
         """Greedy accuracy of one stage's checkpoint on the same held-out items."""
         stage, uri = self.input
-        self.result = pipeline.evaluate_checkpoint(self.pc, stage, uri, self.datasets)
+        self.result = evaluation_step.evaluate_checkpoint(self.pc, stage, uri, self.datasets)
         self.next(self.join_evaluations)
 
     @card(type="blank", id="evaluation")
@@ -119,8 +119,9 @@ class GRPOFlow(FlowSpec):
     def join_evaluations(self, inputs):
         """Collect every stage's results, pair each with the start model's, log them named by their data."""
         self.merge_artifacts(inputs, include=["ctx", "datasets", "sft_metrics", "curriculum", "gsm8k"])
-        self.results = pipeline.paired_with_start(pipeline.in_stage_order([i.result for i in inputs]))
-        pipeline.log_evaluation(self._ctx(), self.results, self.datasets)
+        ordered = evaluation_step.in_stage_order([i.result for i in inputs])
+        self.results = evaluation_step.paired_with_start(ordered)
+        evaluation_step.log_evaluation(self._ctx(), self.results, self.datasets)
         stage_table_card(current.card["evaluation"], self.results)
         self.next(self.register)
 
@@ -137,7 +138,7 @@ class GRPOFlow(FlowSpec):
     def end(self):
         """Send any tracking points a stage kept for later, print the summary, close the MLflow runs."""
         pipeline.replay_tracking(self._ctx().tracking_uri, [self.curriculum, self.gsm8k])
-        print(pipeline.summary_table(self.results, self.curriculum, self.gsm8k, self.registry))
+        print(evaluation_step.summary_table(self.results, self.curriculum, self.gsm8k, self.registry))
         pipeline.finish(self._ctx())
 
     # -- helpers (no pipeline logic here; see grpo_core.pipeline)

@@ -254,6 +254,35 @@ class GateSettings:
 
 
 @dataclass
+class PoolSettings:
+    """Difficulty-aware prompt selection (``[<stage>.pool]``; ``grpo_core/prompt_pool.py``): each
+    prompt's pass rate is recorded, solved prompts retire, prompts that keep failing rest, and part
+    of each batch replays prompts whose last group was informative."""
+
+    enabled: bool = False
+    """Select prompts through the pool; false draws the stage's prompt stream as it comes."""
+    pass_reward: float = 1.0
+    """A sample passes when its total reward is at least this (1.0: a right answer under the
+    default correctness reward)."""
+    retire_solved: bool = True
+    """A group whose samples all passed retires its prompt for the rest of the stage."""
+    rest_after: int = 1
+    """All-failed groups in a row after which a prompt rests."""
+    rest_iterations: int = 20
+    """Iterations a resting prompt sits out."""
+    replay_share: float = 0.0
+    """Up to this share of each batch re-draws prompts whose last group was informative (least
+    recently seen first); the rest are fresh prompts from the stream."""
+
+    def check(self, w: str) -> None:
+        w = f"{w}.pool"
+        at_least(self, w, 1, "rest_after", "rest_iterations")
+        require(math.isfinite(self.pass_reward), f"{w}.pass_reward", f"must be a finite number, got {self.pass_reward}")
+        require(0.0 <= self.replay_share <= 1.0, f"{w}.replay_share",
+                f"must be in [0, 1] (a share of each batch), got {self.replay_share}")
+
+
+@dataclass
 class CheckpointSettings:
     """How often the stage checkpoints, and how many it keeps (``[<stage>.checkpoint]``)."""
 
@@ -288,7 +317,7 @@ class StageRuntime:
 
 GROUPS = {"sampling": SamplingSettings, "loss": LossSettings, "optim": OptimSettings,
           "execution": ExecutionSettings, "validation": ValidationSettings, "gate": GateSettings,
-          "checkpoint": CheckpointSettings, "lora": LoraSettings}
+          "pool": PoolSettings, "checkpoint": CheckpointSettings, "lora": LoraSettings}
 """A stage's sub-tables, in the order the configuration reference lists them."""
 
 
@@ -302,6 +331,9 @@ class GRPOConfig:
     its train split)."""
     gsm8k_source: str = "openai/gsm8k"
     """GSM8K hub id or a local dir with train.jsonl/test.jsonl (GSM8K_DIR overrides)."""
+    gsm8k_max_steps: int = 0
+    """Train on GSM8K problems whose reference solution takes at most this many calculator steps
+    (``<<...>>`` annotations); 0 keeps every problem."""
     arithmetic_ops: str = "+-*"
     """Operators the arithmetic curriculum draws from."""
     arithmetic_min: int = 0
@@ -347,6 +379,8 @@ class GRPOConfig:
     """In-stage validation accuracy (``[<stage>.validation]``)."""
     gate: GateSettings = field(default_factory=GateSettings)
     """Promotion gate (``[<stage>.gate]``)."""
+    pool: PoolSettings = field(default_factory=PoolSettings)
+    """Difficulty-aware prompt selection (``[<stage>.pool]``)."""
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     """Checkpoint cadence and retention (``[<stage>.checkpoint]``)."""
     lora: LoraSettings = field(default_factory=LoraSettings)
@@ -367,9 +401,11 @@ class GRPOConfig:
         w = f"stage '{self.runtime.stage}'"
         check_choice(self.task, sorted(tasks.registry()), f"{w}.task")
         at_least(self, w, 1, "prompts_per_iter", "iterations", "sample_every")
+        at_least(self, w, 0, "gsm8k_max_steps")
         non_negative(self, w, "reward_timeout_s")
         check_arithmetic(self.arithmetic_ops, self.arithmetic_min, self.arithmetic_max, w)
-        for group in (self.sampling, self.loss, self.optim, self.execution, self.validation, self.checkpoint):
+        for group in (self.sampling, self.loss, self.optim, self.execution, self.validation, self.pool,
+                      self.checkpoint):
             group.check(w)
         self.gate.check(w, self.validation)
         self.lora.check(w, self.disable_dropout)

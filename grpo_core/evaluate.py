@@ -46,16 +46,30 @@ def greedy_results(model, tok, rows: list[dict], *, max_new_tokens: int, batch_s
             n = int(answer_tokens[j])
             how = ending(batch.completion_ids[j, :n], n >= max_new_tokens, loop, digits)
             out.append({"item_id": row["id"], "correct": bool(grade(text, row["gold"])), "gold": row["gold"],
-                        "completion": text, **how})
+                        "completion": text, **how, **({"steps": row["steps"]} if "steps" in row else {})})
     model.train(was_training)
     return out
+
+
+STEP_BUCKETS = (("<=2", 0, 2), ("3", 3, 3), ("4", 4, 4), ("5+", 5, 10**9))
+"""GSM8K's difficulty buckets by calculator steps (0-step problems, 18 of 1,319 test items, go with 1-2)."""
 
 
 def summarize(results: list[dict]) -> dict:
     """Accuracy with its Wilson 95% interval, the counts it came from, and the shares of answers
     (``greedy_results``) that the cap cut off while not looping (``truncated_frac``: a cap that
     cuts many answers measures the cap, not the model), that looped (``looped_frac``), and that
-    reached the cap for either reason (``capped_frac``)."""
+    reached the cap for either reason (``capped_frac``). Items that carry their ``steps`` (GSM8K)
+    also get ``by_steps``: accuracy and count per ``STEP_BUCKETS`` bucket that holds any."""
+    out = _accuracy_summary(results)
+    if results and all("steps" in r for r in results):
+        out["by_steps"] = {label: {"accuracy": sum(r["correct"] for r in chunk) / len(chunk), "n": len(chunk)}
+                           for label, low, high in STEP_BUCKETS
+                           if (chunk := [r for r in results if low <= r["steps"] <= high])}
+    return out
+
+
+def _accuracy_summary(results: list[dict]) -> dict:
     n = len(results)
     k = sum(r["correct"] for r in results)
     low, high = wilson_interval(k, n)
@@ -78,11 +92,12 @@ def compare_to_start(start: list[dict], other: list[dict]) -> dict:
 
 
 def eval_sets(eval_cfg, params: dict[str, dict]) -> dict[str, list[dict]]:
-    """The held-out sets: the test split of each task in ``params`` (task name -> its params) that
-    ``eval_cfg`` sizes, as ``<task>_test`` (``held_out_items``)."""
+    """The held-out sets named in ``params`` (set name -> the params its data was fingerprinted
+    with; ``PipelineConfig.eval_set_names``), each sized by ``eval_cfg.size(name)``
+    (``held_out_items``); a set sized 0 is skipped."""
     from grpo_core import tasks
 
-    return {tasks.dataset_name(name, "test"): held_out_items(tasks.task(name), task_params, size)
+    return {name: held_out_items(tasks.split_of(name)[0], task_params, size)
             for name, task_params in params.items() if (size := eval_cfg.size(name)) != 0}
 
 

@@ -1,14 +1,15 @@
-"""One holder at a time on this machine: an exclusive ``flock`` on a file.
+"""One holder at a time on this machine: an exclusive lock on a file (``filelock``).
 
-The lock is released when the holder exits, however it exits (the kernel drops ``flock`` locks
-with the process), so a killed holder never leaves a stale lock behind.
+``filelock.FileLock`` holds an OS lock (``flock`` on POSIX), which the kernel drops with the
+process however it exits, so a killed holder never leaves a stale lock behind.
 """
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import sys
 from pathlib import Path
+
+from filelock import FileLock, Timeout
 
 
 @contextlib.contextmanager
@@ -17,14 +18,14 @@ def exclusive(path: str | Path, waiting: str | None = None):
     process holds it, print ``waiting`` to stderr once and block until it is free."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if waiting:
-                print(waiting, file=sys.stderr, flush=True)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    lock = FileLock(path, thread_local=False)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if waiting:
+            print(waiting, file=sys.stderr, flush=True)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()

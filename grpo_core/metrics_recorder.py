@@ -102,7 +102,8 @@ class MetricsRecorder:
 
     # ---------------------------------------------------------------- the end
     def close(self, iteration: int) -> dict:
-        """Rank 0: the stage's first and last metrics and reward trend (also to MLflow), the curves
+        """Rank 0: the stage's first and last metrics, reward trend and mean informative fraction
+        over its iterations (also to MLflow), the curves
         as a PNG, a final flush; points the server never took are reported (and kept in
         ``spill_path``). Returns the summary's metric fields."""
         rows = read_jsonl(str(self.path)) if self.path.exists() else []
@@ -110,7 +111,9 @@ class MetricsRecorder:
         summary = {"last": without_time(rows[-1]) if rows else {}, "first": without_time(rows[0]) if rows else {}}
         if rows:
             trend = summary["reward_trend"] = window_change([r["reward"] for r in rows])
+            summary["informative_mean"] = sum(r["informative_frac"] for r in rows) / len(rows)
             self.tracker.log({f"reward_trend/{k}": v for k, v in trend.items() if math.isfinite(v)}, iteration)
+            self.tracker.log({"informative_frac_mean": summary["informative_mean"]}, iteration)
             self.tracker.log_artifact(plot_curves(str(self.path), str(self.out / "curves.png")))
         self.tracker.flush()
         summary["tracking_delayed_points"] = getattr(self.tracker, "delayed_points", 0)

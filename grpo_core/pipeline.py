@@ -9,7 +9,6 @@ storage keyed by ``<storage_root>/<flow>/<run_id>/<step>/``, never as pickled ar
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import tempfile
@@ -21,8 +20,6 @@ from grpo_core.pipeline_config import PipelineConfig
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 RESUME_CHAIN = "resume_chain.json"  # in a training step's storage: the earlier attempts it resumes from
-# the per-item evaluation table
-ITEM_COLUMNS = ("item_id", "correct", "gold", "truncated", "looped", "capped", "completion")
 
 
 @dataclass(frozen=True)
@@ -78,23 +75,23 @@ def storage_root(cfg: PipelineConfig) -> str:
     return str(PROJECT_DIR / root)
 
 
-EVAL_LOCK = Path(tempfile.gettempdir()) / "grpo-evaluate.lock"  # local evaluations take turns on it
-
 
 def dataset_identities(cfg: PipelineConfig) -> dict:
     """Source, split, digest and the params read, of every split of every stage's task, named
-    ``<task>_<split>``; fails fast, naming the dataset, if one cannot be read."""
+    ``<task>_<split>``, and of every bounded evaluation set (``gsm8k_test_le2``); fails fast,
+    naming the dataset, if one cannot be read. Train and validation are read with the stage's
+    params (its difficulty bound included); a test set with its own bound (none: unbounded)."""
     out = {}
     for s in stages.GRPO_STAGES:
         task = tasks.task(s.task)
         params = task.params_of(cfg.stage(s.name, model="-"))
         for split in tasks.SPLITS:
-            name = tasks.dataset_name(s.task, split)
-            try:
-                out[name] = {**task.identity(split, **params), "params": params}
-            except Exception as exc:
-                raise RuntimeError(f"{name} could not be read ({type(exc).__name__}: {exc}). {task.unreadable_hint}"
-                                   .strip()) from exc
+            read = params if split != "test" else tasks.bounded_params(task, params, 0)
+            out[tasks.dataset_name(s.task, split)] = _identity(task, tasks.dataset_name(s.task, split), split, read)
+        for name in cfg.eval_set_names():
+            named, split, bound = tasks.parse_dataset_name(name)
+            if named.name == s.task and bound:
+                out[name] = _identity(task, name, split, tasks.bounded_params(task, params, bound))
     local = sorted({d["source"] for d in out.values() if Path(d["source"]).is_dir()})
     if cfg.compute.backend == "kubernetes" and local:
         from grpo_core.tracking import warn
@@ -102,6 +99,14 @@ def dataset_identities(cfg: PipelineConfig) -> dict:
              "read the same paths and fail unless their image holds the data there (for GSM8K, unset "
              "GSM8K_DIR to use the hub).")
     return out
+
+
+def _identity(task, name: str, split: str, params: dict) -> dict:
+    try:
+        return {**task.identity(split, **params), "params": params}
+    except Exception as exc:
+        raise RuntimeError(f"{name} could not be read ({type(exc).__name__}: {exc}). {task.unreadable_hint}"
+                           .strip()) from exc
 
 
 def open_tracking(cfg: PipelineConfig, tags: dict, run_name: str) -> tuple[str, str]:
@@ -214,97 +219,10 @@ def resume_chain(origin_uri: str) -> list[str]:
     return [origin_uri] + (json.loads(recorded) if recorded else [])
 
 
-def in_stage_order(results: list[dict]) -> list[dict]:
-    """Evaluation results sorted sft, curriculum, gsm8k: the last one is the shipped model's,
-    whatever order the foreach join hands them in."""
-    return sorted(results, key=lambda r: stages.EVALUATED.index(r["stage"]))
-
-
 def stage_system_prompt(cfg: PipelineConfig, stage: str) -> str | None:
     """The system prompt a checkpoint is evaluated and served with: its stage's; the start model
     takes the first GRPO stage's, so the start row and that stage see the same prompts."""
     return getattr(cfg, "curriculum" if stage == "sft" else stage).get("system_prompt")
-
-
-def evaluate_checkpoint(cfg: PipelineConfig, stage: str, model_uri: str, datasets: dict) -> dict:
-    """Greedy per-item results of one checkpoint on every held-out set (the data ``start``
-    fingerprinted), with summaries; on a GPU when the step has one. Every model gets the same
-    prompts and the same generation cap per set. On the local backend the evaluations of one
-    machine take turns (``EVAL_LOCK``): the foreach starts them together, and three of them at
-    once on two cores ran 2.5 times slower than one after another (benchmarks/NOTES.md)."""
-    from grpo_core import locks
-
-    if cfg.compute.backend != "local":
-        return _evaluate(cfg, stage, model_uri, datasets)
-    with locks.exclusive(EVAL_LOCK, waiting=f"evaluate {stage}: waiting for this machine's other evaluations"):
-        return _evaluate(cfg, stage, model_uri, datasets)
-
-
-def _evaluate(cfg: PipelineConfig, stage: str, model_uri: str, datasets: dict) -> dict:
-    import torch
-
-    from grpo_core.evaluate import eval_sets, greedy_results, summarize
-    from grpo_core.models import load_policy
-
-    torch.manual_seed(0)
-    e = cfg.evaluate
-    sets = eval_sets(e, {s.task: datasets[tasks.dataset_name(s.task, "test")]["params"] for s in stages.GRPO_STAGES})
-    trust = any(getattr(cfg, s.name).get("trust_remote_code", False) for s in stages.GRPO_STAGES)
-    model, tok = load_policy(model_uri, trust_remote_code=trust)
-    if torch.cuda.is_available():
-        model.to("cuda")
-    system = stage_system_prompt(cfg, stage)
-    items = {name: greedy_results(model, tok, rows, max_new_tokens=e.budget(name), batch_size=e.batch_size,
-                                  system_prompt=system, grade=tasks.split_of(name)[0].grade)
-             for name, rows in sets.items()}
-    return {"stage": stage, "model_uri": model_uri, "items": items, "system_prompt": system,
-            "summary": {name: summarize(res) for name, res in items.items()}}
-
-
-def paired_with_start(results: list[dict]) -> list[dict]:
-    """Each later stage's ``vs_start`` (against the first result, the start model) and
-    ``vs_previous`` (against the stage before it): accuracy change and exact McNemar p on the
-    same items, per set. The second says whether a stage lost what the one before it gained."""
-    from grpo_core.evaluate import compare_to_start
-
-    for before, r in zip(results, results[1:]):
-        r["vs_start"] = {name: compare_to_start(results[0]["items"][name], r["items"][name]) for name in r["items"]}
-        r["vs_previous"] = {name: {**compare_to_start(before["items"][name], r["items"][name]),
-                                   "stage": before["stage"]} for name in r["items"]}
-    return results
-
-
-def log_evaluation(ctx: RunContext, results: list[dict], datasets: dict) -> None:
-    """Every stage's accuracy, named by its data, on the evaluate child run (+ per-item JSON): with
-    the share of answers cut by the cap and, past the start model, the change against it and its
-    exact McNemar p (``eval/<set>/<stage>/vs_start_delta``, ``.../vs_start_p_value``)."""
-    from grpo_core.tracking import mlflow_client
-    from grpo_core.tracking_logger import open_tracker
-
-    run_id = child_run(ctx, "evaluate", datasets, names=sorted(results[0]["summary"]))
-    logged = set(mlflow_client(ctx.tracking_uri).get_run(run_id).data.metrics)  # a rerun logs nothing twice
-    with open_tracker(ctx.tracking_uri, run_id) as t:
-        for r in results:
-            for name, s in r["summary"].items():
-                prefix = f"eval/{name}/{r['stage']}"
-                if f"{prefix}/accuracy" in logged:
-                    continue
-                vs = r.get("vs_start", {}).get(name, {})
-                t.log({f"{prefix}/accuracy": s["accuracy"], f"{prefix}/ci_low": s["ci_low"],
-                       f"{prefix}/ci_high": s["ci_high"], f"{prefix}/n": s["n"],
-                       f"{prefix}/truncated_frac": s.get("truncated_frac", 0.0),
-                       f"{prefix}/looped_frac": s.get("looped_frac", 0.0),
-                       f"{prefix}/capped_frac": s.get("capped_frac", 0.0),
-                       **{f"{prefix}/vs_start_{k}": vs[k] for k in ("delta", "p_value") if k in vs}}, step=0)
-                t.log_dict(r["items"][name], f"eval/{r['stage']}/items_{name}.json")
-                t.log_table({k: [i.get(k) for i in r["items"][name]] for k in ITEM_COLUMNS},
-                            f"eval/{r['stage']}/items_{name}_table.json")  # browsable in the MLflow UI
-        final = results[-1]
-        for name, s in final["summary"].items():  # the shipped model's numbers, unqualified
-            if f"eval/{name}/accuracy" in logged:
-                continue
-            t.log({f"eval/{name}/accuracy": s["accuracy"], f"eval/{name}/accuracy_ci_low": s["ci_low"],
-                   f"eval/{name}/accuracy_ci_high": s["ci_high"]}, step=0)
 
 
 def register(cfg: PipelineConfig, ctx: RunContext, final: dict, datasets: dict, pathspec: str,
@@ -318,11 +236,35 @@ def register(cfg: PipelineConfig, ctx: RunContext, final: dict, datasets: dict, 
     r = cfg.register
     tags = {"metaflow.pathspec": pathspec, "grpo.config": cfg.name,
             **{f"dataset.{k}.digest": v["digest"] for k, v in datasets.items()}, **sft_model_tags(cfg, ctx)}
-    return register_model(ctx.tracking_uri, run_id, str(model_dir), r.model_name, eval_items=final["items"],
-                          primary=r.primary, tags=tags, rule=r.rule, alpha=r.alpha,
-                          max_new_tokens=cfg.evaluate.budget(r.primary),
-                          system_prompt=stage_system_prompt(cfg, final["stage"]),
-                          baseline_items=start["items"].get(r.primary) if start else None)
+    result = register_model(ctx.tracking_uri, run_id, str(model_dir), r.model_name, eval_items=final["items"],
+                            primary=r.primary, tags=tags, rule=r.rule, alpha=r.alpha,
+                            max_new_tokens=cfg.evaluate.budget(r.primary),
+                            system_prompt=stage_system_prompt(cfg, final["stage"]),
+                            baseline_items=start["items"].get(r.primary) if start else None)
+    from grpo_core.tracking import mlflow_client
+
+    result["description"] = version_description(result, final, start)
+    mlflow_client(ctx.tracking_uri).update_model_version(r.model_name, result["version"], result["description"])
+    return result
+
+
+def version_description(decision: dict, final: dict, start: dict | None) -> str:
+    """One line for the registry: the decision and on which items, then every evaluated set's
+    change against the start model on the same items (greedy, and sampled mean@k), with its p."""
+    head = (f"{decision['decision']} on {decision.get('eval_set')} ({decision.get('compared_items')} items; "
+            f"{decision.get('reason')})")
+    if start is None:
+        return head
+    parts = []
+    for name, vs in final.get("vs_start", {}).items():
+        before, after = start["summary"][name], final["summary"][name]
+        parts.append(f"{name} greedy {before['accuracy']:.3f} -> {after['accuracy']:.3f} "
+                     f"(p={vs['p_value']:.2g}, {after['n']} items)")
+    for name, vs in final.get("sampled_vs_start", {}).items():
+        before, after = start["sampled_summary"][name], final["sampled_summary"][name]
+        parts.append(f"{name} mean@{after['k']} {before['mean_at_k']:.3f} -> {after['mean_at_k']:.3f} "
+                     f"(p={vs['p_value']:.2g}, {after['n']} items)")
+    return f"{head}. Against the start model ({start['stage']}): " + "; ".join(parts)
 
 
 def replay_tracking(tracking_uri: str, summaries: list[dict]) -> int:
@@ -360,39 +302,3 @@ def finish(ctx: RunContext, status: str = "FINISHED") -> None:
                                   filter_string=f"tags.mlflow.parentRunId = '{ctx.parent_run_id}'"):
         finish_run(ctx.tracking_uri, run.info.run_id, status)
     finish_run(ctx.tracking_uri, ctx.parent_run_id, status)
-
-
-def _p(value) -> str:
-    return "-" if value is None else f"{value:.2g}"
-
-
-def summary_table(results: list[dict], curriculum: dict, gsm8k: dict, registry: dict) -> str:
-    """A plain-text table: every stage's held-out accuracy with its 95% interval, the shares of
-    answers cut by the generation cap and of answers that looped (``evaluate.greedy_results``), and
-    the change against the start model and against the stage before, each with its exact McNemar
-    p on the same items."""
-    sets = list(results[0]["summary"])
-    lines = []
-    for name in sets:
-        lines.append(f"{name} (greedy, same {results[0]['summary'][name]['n']} items for every stage)")
-        lines.append(f"  {'stage':<12}{'accuracy [95% CI]':>26}{'cut':>7}{'looped':>8}{'vs start':>10}{'McNemar p':>11}"
-                     f"{'vs previous':>13}{'McNemar p':>11}")
-        for r in results:
-            x = r["summary"][name]
-            paired = "".join(f"{vs['delta']:>+{w}.3f}{vs['p_value']:>11.2g}" if vs else f"{'-':>{w}}{'':>11}"
-                             for vs, w in ((r.get("vs_start", {}).get(name), 10),
-                                           (r.get("vs_previous", {}).get(name), 13)))
-            lines.append(f"  {r['stage']:<12}{x['accuracy']:>9.3f} [{x['ci_low']:.3f}, {x['ci_high']:.3f}]"
-                         f"{x.get('truncated_frac', 0.0):>7.1%}{x.get('looped_frac', 0.0):>8.1%}{paired}")
-    for name, st in (("curriculum", curriculum), ("gsm8k", gsm8k)):
-        last, trend = st.get("last", {}), st.get("reward_trend")
-        interval = ("too few iterations for an interval" if not trend or math.isnan(trend["ci_low"])
-                    else f"95% CI [{trend['ci_low']:+.3f}, {trend['ci_high']:+.3f}]")
-        change = (f"reward {trend['first']:.3f} -> {trend['last']:.3f} (means of the first/last {trend['window']} "
-                  f"iterations; change {trend['diff']:+.3f}, {interval})" if trend else "no iterations run")
-        lines.append(f"{name} GRPO: {st['iterations_run']} iterations, {change}, informative "
-                     f"{last.get('informative_frac', 0):.2f}"
-                     + (" (promotion gate)" if st.get("promoted_by_gate") else ""))
-    lines.append(f"registry: {registry.get('model_name')} v{registry.get('version')} -> {registry.get('decision')} "
-                 f"(p={_p(registry.get('p_value'))}, {registry.get('compared_items')} items)")
-    return "\n".join(lines)

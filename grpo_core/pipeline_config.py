@@ -85,10 +85,15 @@ def check_sft_source(source: str) -> None:
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation of every stage's checkpoint."""
+    """Held-out evaluation of every stage's checkpoint: greedy accuracy on each set, and sampled
+    accuracy (mean@k, pass@k; ``grpo_core/sampled_eval.py``) on the sets ``sampled_sets`` names."""
 
     gsm8k_size: int = 100
-    """GSM8K test items (the first N; 0 for all 1,319; -1 skips GSM8K)."""
+    """GSM8K test items of any difficulty (the first N; 0 for all 1,319; -1 skips the set)."""
+    gsm8k_max_steps: int = 0
+    """> 0 adds the set ``gsm8k_test_le<N>``: GSM8K test problems of at most N calculator steps."""
+    gsm8k_bounded_size: int = 300
+    """Items of ``gsm8k_test_le<N>`` (the first N of them; 0 for all)."""
     arithmetic_size: int = 300
     """Held-out arithmetic items (the first N of the test split; 0 skips the set)."""
     max_new_tokens: int = 64
@@ -98,32 +103,57 @@ class EvalConfig:
     would end it. An answer the cap stops while it repeats its own earlier text with only the
     numbers changing counts as looped too (it needs 136+ tokens to be judged; ``grpo_core/loops.py``)."""
     gsm8k_max_new_tokens: int = 0
-    """Greedy generation cap of GSM8K test answers (chains of thought run longer); 0 = max_new_tokens."""
+    """Generation cap of GSM8K answers (chains of thought run longer); 0 = max_new_tokens."""
+    sampled_sets: list = field(default_factory=list)
+    """Sets that also get sampled accuracy, e.g. ["gsm8k_test_le2"]; each must be evaluated."""
+    sampled_k: int = 2
+    """Samples per item for sampled accuracy (mean@k, pass@k)."""
+    sampled_size: int = 200
+    """Items of each sampled set that are sampled (the first N of the greedy items; 0 for all)."""
+    sampled_temperature: float = 0.0
+    """Sampling temperature of sampled accuracy; 0 takes the sampling temperature of the last GRPO
+    stage that trains on the set's task (what that stage optimised)."""
+    sampled_seed: int = 0
+    """Seed of the sampled evaluation: the same for every model (paired samples)."""
     batch_size: int = 64
-    """Prompts per generate call (rows that finish leave the batch; see ``decode.py``)."""
+    """Completions per generate call (rows that finish leave the batch; see ``decode.py``)."""
 
     def __post_init__(self):
         require(self.gsm8k_size >= -1, "evaluate.gsm8k_size",
                  f"must be >= -1 (N items, 0 for all, -1 to skip GSM8K), got {self.gsm8k_size}")
-        require(self.arithmetic_size >= 0, "evaluate.arithmetic_size",
-                 f"must be >= 0 (N items, 0 to skip held-out arithmetic), got {self.arithmetic_size}")
-        for name in ("max_new_tokens", "batch_size"):
+        for name in ("arithmetic_size", "gsm8k_max_steps", "gsm8k_bounded_size", "gsm8k_max_new_tokens",
+                     "sampled_size", "sampled_seed"):
+            require(getattr(self, name) >= 0, f"evaluate.{name}", f"must be >= 0, got {getattr(self, name)}")
+        for name in ("max_new_tokens", "batch_size", "sampled_k"):
             require(getattr(self, name) >= 1, f"evaluate.{name}", f"must be >= 1, got {getattr(self, name)}")
-        require(self.gsm8k_max_new_tokens >= 0, "evaluate.gsm8k_max_new_tokens",
-                 f"must be >= 0 (0 = max_new_tokens), got {self.gsm8k_max_new_tokens}")
+        require(math.isfinite(self.sampled_temperature) and self.sampled_temperature >= 0,
+                "evaluate.sampled_temperature", f"must be >= 0 (0: the stage's), got {self.sampled_temperature}")
+        require(all(isinstance(n, str) for n in self.sampled_sets), "evaluate.sampled_sets",
+                f"{self.sampled_sets!r}: give a list of evaluated set names, e.g. [\"gsm8k_test_le2\"]")
 
-    def size(self, task: str) -> int | None:
-        """How many of ``task``'s test items the evaluation reads: N, None for all of them, 0 to
-        skip the task. A task without a size field here is evaluated whole."""
-        if task == "arithmetic":
+    def set_names(self, task_names) -> list[str]:
+        """The sets evaluated for stages training on ``task_names``: each task's test split unless
+        sized away, then ``gsm8k_test_le<N>`` when ``gsm8k_max_steps`` bounds one."""
+        names = [dataset_name(t, "test") for t in dict.fromkeys(task_names)
+                 if self.size(dataset_name(t, "test")) != 0]
+        if self.gsm8k_max_steps and "gsm8k" in task_names:
+            names.append(dataset_name("gsm8k", "test", self.gsm8k_max_steps))
+        return names
+
+    def size(self, set_name: str) -> int | None:
+        """How many items of a set the evaluation reads: N, None for all of them, 0 to skip it. A
+        set without a size field here is evaluated whole."""
+        if set_name == "arithmetic_test":
             return self.arithmetic_size
-        if task == "gsm8k":
+        if set_name == "gsm8k_test":
             return 0 if self.gsm8k_size < 0 else self.gsm8k_size or None
+        if set_name.startswith("gsm8k_test_le"):
+            return self.gsm8k_bounded_size or None
         return None
 
     def budget(self, set_name: str) -> int:
         """The generation cap of one evaluation set (every model gets the same)."""
-        return (self.gsm8k_max_new_tokens or self.max_new_tokens) if set_name == "gsm8k_test" \
+        return (self.gsm8k_max_new_tokens or self.max_new_tokens) if set_name.startswith("gsm8k_") \
             else self.max_new_tokens
 
 
@@ -138,11 +168,13 @@ class RegisterConfig:
     alpha: float = 0.05
     """Significance level for the 'significant' rule."""
     primary: str = "gsm8k_test"
-    """Evaluation set the champion comparison uses: a stage task's test split, ``<task>_test``."""
+    """Evaluation set the champion comparison uses: an evaluated test set, ``<task>_test`` or
+    ``gsm8k_test_le<N>``."""
 
     def __post_init__(self):
         check_choice(self.rule, ("significant", "better", "always"), "register.rule")
-        check_choice(self.primary, TEST_SETS, "register.primary")
+        if not self.primary.startswith(tuple(f"{n}_le" for n in TEST_SETS)):
+            check_choice(self.primary, TEST_SETS, "register.primary")
         require(math.isfinite(self.alpha) and 0 < self.alpha < 1, "register.alpha",
                  f"must be a significance level strictly between 0 and 1 (e.g. 0.05), got {self.alpha}")
 
@@ -272,11 +304,26 @@ class PipelineConfig:
                      "tracking_uri", f"{self.tracking_uri!r} is not a tracking server, but compute.backend = "
                      "'kubernetes': training pods cannot reach a file or sqlite store on this machine; set "
                      "tracking_uri to the MLflow server's http(s):// URL (or databricks)")
-        evaluated = [dataset_name(s.task, "test") for s in GRPO_STAGES if self.evaluate.size(s.task) != 0]
+        evaluated = self.eval_set_names()
         require(self.register.primary in evaluated, "register.primary",
-                 f"{self.register.primary!r} is not evaluated (evaluate.gsm8k_size = {self.evaluate.gsm8k_size}, "
-                 f"evaluate.arithmetic_size = {self.evaluate.arithmetic_size}); compare on a set that is, "
-                 "or evaluate it")
+                 f"{self.register.primary!r} is not evaluated (the evaluated sets are {evaluated}); compare on a "
+                 "set that is, or evaluate it")
+        for name in self.evaluate.sampled_sets:
+            require(name in evaluated, "evaluate.sampled_sets", f"{name!r} is not evaluated (the evaluated sets are "
+                    f"{evaluated}); name one of them")
+
+    def eval_set_names(self) -> list[str]:
+        """The held-out sets every checkpoint is evaluated on (``EvalConfig.set_names``)."""
+        return self.evaluate.set_names([s.task for s in GRPO_STAGES])
+
+    def sampled_temperature(self, set_name: str) -> float:
+        """The temperature of a set's sampled accuracy: ``evaluate.sampled_temperature``, or that of
+        the last GRPO stage training on the set's task."""
+        if self.evaluate.sampled_temperature:
+            return self.evaluate.sampled_temperature
+        task = set_name.split("_")[0]
+        trained = [s.name for s in GRPO_STAGES if s.task == task] or [GRPO_STAGES[-1].name]
+        return self.stage(trained[-1], model="-").sampling.temperature
 
     @classmethod
     def from_dict(cls, data: dict) -> "PipelineConfig":

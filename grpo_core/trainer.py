@@ -34,6 +34,7 @@ from grpo_core.models import (
     load_policy,
 )
 from grpo_core.objective import objective_card
+from grpo_core.prompt_pool import PromptPool
 from grpo_core.rewards import RewardSpec, combine_rewards, resolve_specs
 from grpo_core.rollout import render_prompts
 from grpo_core.scoring import completion_logprobs
@@ -112,10 +113,12 @@ class Trainer:
         self.rewards = resolve_specs([RewardSpec(**r) for r in cfg.rewards])
         self.engine, self.sampling = engines.build(cfg.sampling.rollout_engine, self.tok), engines.Sampling.of(cfg)
         self.stream = PromptStream(train_rows(cfg), cfg.seed)
+        self.pool = PromptPool(cfg.pool, self.stream) if cfg.pool.enabled else None
         self.eval_rows = eval_rows(cfg, cfg.validation.size) if cfg.reads_validation() else None
         self.gate = PromotionGate.from_config(cfg)
         self.state = {"iteration": 0, "data_position": 0, "nonfinite_in_a_row": 0,
-                      "skipped_updates": 0, "history": [], **self.gate.state_dict()}
+                      "skipped_updates": 0, "history": [], **self.gate.state_dict(),
+                      **(self.pool.state_dict() if self.pool else {})}
         self.timings = dict.fromkeys(TIMED_PHASES, 0.0)  # seconds per phase of the current iteration
         self.checkpoints = StageCheckpoints(cfg, info, self.out)
         self.recorder = MetricsRecorder(cfg, info.is_main, info.rank, self.out)
@@ -130,6 +133,8 @@ class Trainer:
         self.state = self.checkpoints.load(path, self.model, self.opt, self.sched, read_shards=(
             (lambda d: sharding.load_state(self.ddp, self.opt, d)) if self.sharded else None))
         self.gate.load_state_dict(self.state)
+        if self.pool is not None:
+            self.pool.load_state_dict(self.state)
         self.sched = self._schedule(done_iterations=self.state["iteration"])
         self.recorder.restore(path, self.state["iteration"])
         self.checkpoints.republish(path, self.state["iteration"])
@@ -147,7 +152,7 @@ class Trainer:
 
     def save_checkpoint(self, iteration: int) -> None:
         """A commit point: the checkpoint (rank 0), then the metrics up to it; all ranks wait."""
-        self.state.update(self.gate.state_dict())
+        self.state.update(self.gate.state_dict(), **(self.pool.state_dict() if self.pool else {}))
         self.checkpoints.save(iteration, self.model, self.opt, self.sched, self.state,
                               self.recorder.checkpoint_files(), write_shards=(
                                   (lambda d: sharding.save_state(self.ddp, self.opt, d)) if self.sharded else None))
@@ -159,10 +164,34 @@ class Trainer:
         per = len(rows) // self.info.world_size
         return rows[self.info.rank * per:(self.info.rank + 1) * per]
 
-    def _sample(self, n_prompts: int) -> RolloutBatch:
+    def _draw(self, n_prompts: int, drawn: set[str], roll: dict) -> list[dict]:
+        """The iteration's next ``n_prompts`` rows (all ranks': the same on every rank): through
+        the pool when it is on, else the stream's next ones."""
+        position = self.state["data_position"]
+        if self.pool is None:
+            rows = self.stream.take(position, n_prompts)
+            self.state["data_position"] += n_prompts
+        else:
+            rows, self.state["data_position"], replayed = self.pool.select(
+                position, n_prompts, self.state["iteration"] + 1, drawn)
+            roll["replayed_prompts"] = roll.get("replayed_prompts", 0) + replayed
+        drawn.update(r["id"] for r in rows)
+        return rows
+
+    def _observe(self, rows: list[dict], batch: RolloutBatch) -> None:
+        """Every rank's groups into the pool: the same pool state on every rank."""
+        G, per = self.cfg.sampling.group_size, len(rows) // self.info.world_size
+        passed = [0.0] * len(rows)
+        mine = (batch.rewards.view(-1, G) >= self.cfg.pool.pass_reward).sum(1).tolist()
+        passed[self.info.rank * per:self.info.rank * per + len(mine)] = [float(x) for x in mine]
+        if dist.active():
+            passed = dist.all_reduce_sum(passed, self.info.device)
+        self.pool.observe([r["id"] for r in rows], [round(x) for x in passed], G, self.state["iteration"] + 1)
+
+    def _sample(self, n_prompts: int, drawn: set[str], roll: dict) -> RolloutBatch:
         c = self.cfg
-        rows = self._shard(self.stream.take(self.state["data_position"], n_prompts))
-        self.state["data_position"] += n_prompts
+        everyone = self._draw(n_prompts, drawn, roll)
+        rows = self._shard(everyone)
         with self._forward_only():  # under FSDP2: full weights for the engine
             self.engine.sync_weights(self.model)
             batch = self.engine.generate(rows, c.sampling.group_size, self.sampling)
@@ -173,21 +202,23 @@ class Trainer:
         self.reward_names = list(parts)  # the same functions, in the same order, every call
         batch.reward_parts = torch.tensor([parts[k] for k in self.reward_names],
                                           dtype=torch.float64).reshape(len(parts), len(batch)).T
+        if self.pool is not None:
+            self._observe(everyone, batch)
         self.timings["time_reward"] += time.perf_counter() - t0
         return batch
 
     def rollout(self) -> tuple[RolloutBatch, dict]:
         """Sample, score, and (with dynamic sampling) refill until enough groups are informative."""
         c, G = self.cfg, self.cfg.sampling.group_size
-        t0 = time.perf_counter()
-        batch = self._sample(c.prompts_per_iter)
+        t0, seen, stats = time.perf_counter(), set(), {}
+        batch = self._sample(c.prompts_per_iter, seen, stats)
         drawn, informative_first = len(batch) // G, informative_mask(batch.rewards, G)
-        stats = {"informative_groups": informative_first.float().sum().item(), "drawn_groups": drawn}
+        stats.update(informative_groups=informative_first.float().sum().item(), drawn_groups=drawn)
         if c.sampling.dynamic_sampling:
             kept, rounds = [batch.select_groups(informative_first)], 0
             need = lambda: dist.all_reduce_max(float(sum(b.num_groups for b in kept) < drawn))  # noqa: E731
             while rounds < c.sampling.max_resample_rounds and need() > 0:
-                extra = self._sample(c.prompts_per_iter)
+                extra = self._sample(c.prompts_per_iter, seen, stats)
                 kept.append(extra.select_groups(informative_mask(extra.rewards, G)))
                 rounds += 1
             n_groups = min(sum(b.num_groups for b in kept), drawn)
@@ -359,6 +390,8 @@ class Trainer:
             batch, roll = self.rollout()
             upd = self.update(batch)
             m = self.iteration_metrics(it, batch, roll, upd, time.perf_counter() - t0)
+            if self.pool is not None:  # after this iteration's groups; replayed: prompts of all ranks
+                m.update(self.pool.counts(it), pool_replayed=float(roll.get("replayed_prompts", 0)))
             every = c.validation.every
             if self.eval_rows is not None and ((every and it % every == 0) or it == c.iterations):
                 m["eval_accuracy"] = self.evaluate()

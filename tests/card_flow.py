@@ -2,7 +2,7 @@
 Metaflow's real card machinery: tests/test_cards.py runs it and reads the cards back.
 
 The data comes from the functions the pipeline uses (``evaluate.summarize``,
-``pipeline.paired_with_start``, ``registry.decide_promotion``) on made-up per-item results,
+``evaluation_step.paired_with_start``, ``registry.decide_promotion``) on made-up per-item results,
 and metrics rows with the keys the trainer writes to metrics.jsonl.
 """
 import os
@@ -20,8 +20,9 @@ from cards import registry_card, stage_table_card, training_card, training_resul
 LONG = "<think>" + "carry the one, " * 30 + "</think><answer>7</answer>"  # longer than the card shows
 
 
-def metrics_rows(n: int = 12) -> list[dict]:
-    """Rows as grpo_core.trainer writes them to metrics.jsonl (eval_accuracy every 4th)."""
+def metrics_rows(n: int = 12, pool: bool = False) -> list[dict]:
+    """Rows as grpo_core.trainer writes them to metrics.jsonl (eval_accuracy every 4th; with
+    ``pool``, the prompt pool's counts)."""
     rows = []
     for it in range(1, n + 1):
         row = {"iteration": it, "reward": 0.2 + 0.05 * it, "reward_std": 0.3, "informative_frac": 0.9 - 0.03 * it,
@@ -30,6 +31,9 @@ def metrics_rows(n: int = 12) -> list[dict]:
                "loss": 0.01, "grad_norm": float("nan") if it == 3 else 1.0, "logged_at_ms": 1_700_000_000_000 + it}
         if it % 4 == 0:
             row.update(eval_accuracy=0.1 * it / 4, eval_n=8)
+        if pool:
+            row.update(pool_active=2.0 * it, pool_solved=float(it // 3), pool_resting=float(it), pool_replayed=2.0,
+                       pool_seen=4.0 * it, pool_replayable=1.0)
         rows.append(row)
     return rows
 
@@ -44,10 +48,12 @@ def samples_logged(iteration: int = 10) -> dict:
          "reward": 2.0 if k in (7, 15) else round(0.1 * (k % 5), 2)} for k, c in enumerate(completions)]}
 
 
-def evaluation_results() -> list[dict]:
-    """Three stages on two held-out sets, paired with the start model as join_evaluations does."""
+def evaluation_results(with_sampled: bool = False) -> list[dict]:
+    """Three stages on two held-out sets, paired with the start model as join_evaluations does;
+    ``with_sampled`` adds a GSM8K set with calculator steps and sampled accuracy (k = 2)."""
     from grpo_core.evaluate import summarize
-    from grpo_core.pipeline import paired_with_start
+    from grpo_core.evaluation_step import paired_with_start
+    from grpo_core.sampled_eval import summarize_sampled
 
     def items(name, n, right, cut=(), loops=()):
         return [{"item_id": f"{name}:{k}", "correct": k in right, "gold": str(k * 2),
@@ -60,8 +66,15 @@ def evaluation_results() -> list[dict]:
     for stage, right, cut, loops in stages:
         it = {"arithmetic_test": items("arithmetic_test", 16, right | {10, 11}, cut, loops),
               "gsm8k_test": items("gsm8k_test", 8, right, cut, loops)}
-        results.append({"stage": stage, "model_uri": f"/m/{stage}", "items": it,
-                        "summary": {k: summarize(v) for k, v in it.items()}})
+        sampled = {}
+        if with_sampled:
+            it["gsm8k_test_le2"] = [{**i, "steps": k % 4 + 1} for k, i in enumerate(items("le2", 8, right))]
+            sampled["gsm8k_test_le2"] = [{"item_id": f"le2:{k}", "k": 2, "correct_k": (k in right) + (k == 0)}
+                                         for k in range(8)]
+        results.append({"stage": stage, "model_uri": f"/m/{stage}", "items": it, "sampled": sampled,
+                        "summary": {k: summarize(v) for k, v in it.items()},
+                        "sampled_summary": {k: {**summarize_sampled(v), "temperature": 1.0}
+                                            for k, v in sampled.items()}})
     return paired_with_start(results)
 
 

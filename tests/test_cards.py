@@ -63,7 +63,8 @@ def test_training_card_draws_one_panel_per_metric_and_a_samples_table():
     on_progress = cards.training_card(card, "curriculum")
     on_progress(rows[:2])  # early: no evaluation and no samples yet
     (chart,) = card.of_type("vegaChart")
-    assert set(panels(chart["spec"])) == set(cards.PANELS.values()) - {cards.PANELS["eval_accuracy"]}
+    pool = {title for key, title in cards.PANELS.items() if key.startswith("pool_")}  # a stage without a pool
+    assert set(panels(chart["spec"])) == set(cards.PANELS.values()) - {cards.PANELS["eval_accuracy"]} - pool
     samples_table = card.of_type("table")[0]
     assert samples_table["columns"] == ["prompt", "completion", "reward"]
     assert all(cell(c) == "" for r in samples_table["data"] for c in r)
@@ -75,9 +76,12 @@ def test_training_card_draws_one_panel_per_metric_and_a_samples_table():
     assert spec["resolve"]["scale"]["y"] == "independent"  # each panel its own scale
     drawn = panels(spec)
     assert list(cards.PANELS) == ["reward", "informative_frac", "kl", "completion_len", "truncated_frac",
-                                  "entropy", "eval_accuracy"]
-    assert set(drawn) == set(cards.PANELS.values())
+                                  "entropy", "eval_accuracy", "pool_active", "pool_solved", "pool_resting",
+                                  "pool_replayed"]
+    assert set(drawn) == set(cards.PANELS.values()) - pool
     for key, title in cards.PANELS.items():  # every panel holds exactly its metric's points
+        if key.startswith("pool_"):
+            continue
         assert drawn[title] == [(r["iteration"], r[key]) for r in rows if key in r], key
     assert len(drawn[cards.PANELS["eval_accuracy"]]) == 3
     json.dumps(spec, allow_nan=False)  # the card's data is JSON: no NaN anywhere
@@ -182,6 +186,30 @@ def test_evaluation_card_pairs_every_stage_with_the_start_model_on_the_same_item
     assert answers[0][3] == "✗ wrong, cut off" and answers[1][3] == "✓ right"
     assert LONG[:200] + "…" in answers[0][4]
     assert "McNemar" in card.of_type("markdown")[0]["source"] and "95% Wilson" in card.of_type("markdown")[0]["source"]
+
+
+def test_evaluation_card_shows_steps_buckets_and_sampled_accuracy_paired_with_the_start():
+    card = CardStub()
+    cards.stage_table_card(card, evaluation_results(with_sampled=True))
+    tables = card.of_type("table")
+    steps = next(t for t in tables if t["columns"][1:] == ["<=2 steps", "3 steps", "4 steps"])
+    # le2 items k = 0..7 with steps k % 4 + 1; sft right on {0, 5}: <=2 steps holds items 0, 1, 4, 5
+    assert {r[0]: r[1] for r in steps["data"]}["sft"] == "0.500 (2 / 4)"
+    sampled = next(t for t in tables if t["columns"][:4] == ["stage", "mean@k", "pass@k", "right samples"])
+    rows = {r[0]: r for r in sampled["data"]}
+    assert rows["sft"][1:4] == ["0.188", "0.250", "3 / 16"]      # item 0 twice, item 5 once
+    assert rows["gsm8k"][1:4] == ["0.375", "0.625", "6 / 16"] and rows["gsm8k"][4] == "+0.188"
+    assert rows["gsm8k"][6] == "3 / 0"                            # items 1, 2, 6 better; none worse
+    assert any("sign-flip permutation" in m["source"] for m in card.of_type("markdown"))
+
+
+def test_a_pooled_stage_draws_the_pool_panels():
+    card, rows = CardStub(), metrics_rows(pool=True)
+    cards.training_card(card, "gsm8k")(rows)
+    (chart,) = card.of_type("vegaChart")
+    drawn = panels(chart["spec"])
+    for key in ("pool_active", "pool_solved", "pool_resting", "pool_replayed"):
+        assert drawn[cards.PANELS[key]] == [(r["iteration"], r[key]) for r in rows], key
 
 
 def test_evaluation_card_without_paired_results_or_items():

@@ -40,7 +40,7 @@ def test_the_curriculum_gate_selects_on_validation_and_the_evaluation_reports_te
     stage = GRPOConfig(task="arithmetic", runtime=dict(model="-"))
     validation, training = _ids(eval_rows(stage, 10_000)), _ids(train_rows(stage))
     params = arithmetic.TASK.params_of(cfg.stage("curriculum", model="-"))
-    reported = _ids(eval_sets(cfg.evaluate, {"arithmetic": params})["arithmetic_test"])
+    reported = _ids(eval_sets(cfg.evaluate, {"arithmetic_test": params})["arithmetic_test"])
     assert validation and training and reported
     assert not validation & training and not validation & reported and not reported & training
 
@@ -138,7 +138,7 @@ def test_a_new_task_is_one_file_that_config_training_and_evaluation_pick_up(tmp_
         stage = GRPOConfig(task="parity", runtime=dict(model="-"), arithmetic_max=99)
         train, validation = _ids(train_rows(stage)), _ids(eval_rows(stage, 1000))
         assert train and validation and not train & validation and len(train | validation) < 100
-        test = eval_sets(EvalConfig(), {"parity": {"arithmetic_max": 99}})  # no size field: all of it
+        test = eval_sets(EvalConfig(), {"parity_test": {"arithmetic_max": 99}})  # no size field: all of it
         assert list(test) == ["parity_test"] and not _ids(test["parity_test"]) & (train | validation)
         assert tasks_pkg.split_of("parity_validation") == (tasks_pkg.task("parity"), "validation")
     finally:
@@ -155,7 +155,7 @@ def test_the_run_fingerprints_every_split_of_every_stage_task_by_one_name(monkey
     monkeypatch.setenv("GSM8K_DIR", str(GSM8K_DIR))
     found = dataset_identities(PipelineConfig.from_dict({"curriculum": {"arithmetic_max": 30}}))
     assert set(found) == {f"{t}_{s}" for t in ("arithmetic", "gsm8k") for s in SPLITS}
-    assert found["gsm8k_test"]["params"] == {"gsm8k_source": os.path.abspath(GSM8K_DIR)}
+    assert found["gsm8k_test"]["params"] == {"gsm8k_source": os.path.abspath(GSM8K_DIR), "gsm8k_max_steps": 0}
     assert found["arithmetic_test"]["params"] == {"arithmetic_ops": "+-*", "arithmetic_min": 0, "arithmetic_max": 30}
     assert found["arithmetic_test"]["source"] == "arithmetic:+-*:0..30"
     assert found["gsm8k_train"]["digest"] == found["gsm8k_validation"]["digest"] != found["gsm8k_test"]["digest"]

@@ -2,7 +2,7 @@
 import pytest
 
 from grpo_core.evaluate import compare_to_start, summarize
-from grpo_core.pipeline import paired_with_start, summary_table
+from grpo_core.evaluation_step import paired_with_start, summary_table
 from grpo_core.pipeline_config import EvalConfig
 
 

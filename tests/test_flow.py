@@ -114,7 +114,7 @@ def _child_runs(cfg, run) -> dict:
 
 def test_evaluation_results_are_put_in_stage_order():
     """The join may hand the foreach results in any order; the last must be the shipped model's."""
-    from grpo_core.pipeline import in_stage_order
+    from grpo_core.evaluation_step import in_stage_order
 
     got = in_stage_order([{"stage": "gsm8k"}, {"stage": "sft"}, {"stage": "curriculum"}])
     assert [r["stage"] for r in got] == ["sft", "curriculum", "gsm8k"]

@@ -249,7 +249,8 @@ def test_known_outage_costs_one_probe_per_call_not_a_full_backoff(mlflow_server)
 
 def test_a_rerun_of_the_evaluation_logging_adds_no_second_point(sqlite_uri):
     """join_evaluations run again (its task failed after logging): every accuracy stays one point."""
-    from grpo_core.pipeline import RunContext, log_evaluation
+    from grpo_core.evaluation_step import log_evaluation
+    from grpo_core.pipeline import RunContext
     from grpo_core.tracking import start_parent_run
 
     parent = start_parent_run(sqlite_uri, "rerun", {"grpo.config": "t"})
@@ -266,5 +267,6 @@ def test_a_rerun_of_the_evaluation_logging_adds_no_second_point(sqlite_uri):
     for key, value in (("eval/arithmetic_test/sft/accuracy", 0.25), ("eval/arithmetic_test/accuracy", 0.5)):
         assert [m.value for m in client.get_metric_history(run.info.run_id, key)] == [value], key
     items = _load_table(sqlite_uri, run, "eval/gsm8k/items_arithmetic_test_table.json")  # per item, once
-    assert list(items.columns) == ["item_id", "correct", "gold", "truncated", "looped", "capped", "completion"]
+    assert list(items.columns) == ["item_id", "correct", "gold", "steps", "truncated", "looped", "capped",
+                                   "completion"]
     assert items[["item_id", "correct"]].to_dict("list") == {"item_id": ["a"], "correct": [True]}

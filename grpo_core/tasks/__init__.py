@@ -43,6 +43,10 @@ class Task:
     """Rows come in a systematic order, so an evaluation subset is a seeded sample, not the first N."""
     unreadable_hint: str = ""
     """What to do when the data cannot be read (shown with the error)."""
+    difficulty_param: str | None = None
+    """The param that bounds a problem's difficulty (GSM8K's ``gsm8k_max_steps``), or None: a
+    dataset ``<task>_<split>_le<N>`` reads the split with it set to N; ``<task>_<split>`` with it
+    unbounded (0)."""
 
     def params_of(self, cfg) -> dict:
         """This task's params read from a GRPOConfig (or any object with those fields), resolved."""
@@ -67,19 +71,39 @@ def task(name: str) -> Task:
     return tasks[name]
 
 
-def dataset_name(task_name: str, split: str) -> str:
-    """The one name of a task's split: ``arithmetic_test``, ``gsm8k_validation``."""
+def dataset_name(task_name: str, split: str, bound: int = 0) -> str:
+    """The one name of a task's split: ``arithmetic_test``, ``gsm8k_validation``; with a difficulty
+    ``bound`` (``Task.difficulty_param``), ``gsm8k_test_le2``."""
     check_split(split)
-    return f"{task_name}_{split}"
+    return f"{task_name}_{split}" + (f"_le{bound}" if bound else "")
+
+
+def parse_dataset_name(name: str) -> tuple[Task, str, int]:
+    """The task, split and difficulty bound (0: none) a dataset name denotes
+    (``gsm8k_test_le2`` -> GSM8K, "test", 2)."""
+    base, bound = name, 0
+    head, _, tail = name.rpartition("_le")
+    if head and tail.isdigit() and int(tail) > 0:
+        base, bound = head, int(tail)
+    task_name, _, split = base.rpartition("_")
+    if split not in SPLITS or task_name not in registry():
+        raise KeyError(f"{name!r} names no dataset; use <task>_<split> (or <task>_<split>_le<N> for a task with a "
+                       f"difficulty bound) with a task in {sorted(registry())} and a split in {SPLITS}")
+    if bound and registry()[task_name].difficulty_param is None:
+        raise KeyError(f"{name!r}: task {task_name!r} has no difficulty bound; use {base!r}")
+    return task(task_name), split, bound
 
 
 def split_of(name: str) -> tuple[Task, str]:
     """The task and split a dataset name denotes (``gsm8k_test`` -> GSM8K, "test")."""
-    task_name, _, split = name.rpartition("_")
-    if split not in SPLITS or task_name not in registry():
-        raise KeyError(f"{name!r} names no dataset; use <task>_<split> with a task in {sorted(registry())} "
-                       f"and a split in {SPLITS}")
-    return task(task_name), split
+    t, split, _ = parse_dataset_name(name)
+    return t, split
+
+
+def bounded_params(t: Task, params: dict, bound: int) -> dict:
+    """``params`` with ``t``'s difficulty param set to ``bound`` (0: unbounded); a task without one
+    keeps its params."""
+    return params if t.difficulty_param is None else {**params, t.difficulty_param: bound}
 
 
 def check_split(split: str) -> None:

@@ -4,42 +4,65 @@ Loads ``openai/gsm8k`` (config ``main``) or a local directory of ``train.jsonl``
 (``GSM8K_DIR``, which wins over the configured source) through the same ``datasets`` call. A
 malformed row is an error naming its index; nothing is dropped silently. "test" is GSM8K's test
 split; "validation" is a 5% hash slice of the train split's questions, never trained on; "train"
-is the rest. Param: ``gsm8k_source`` (a hub id or a dir).
+is the rest. Each row carries its ``steps``: the calculator annotations (``<<48/2=24>>``) in the
+reference solution, GSM8K's own measure of how many operations a problem takes.
+
+Params: ``gsm8k_source`` (a hub id or a dir) and ``gsm8k_max_steps`` (keep problems of at most that
+many steps; 0 keeps all). The bound applies to every split read with it: a stage trains on easy
+problems with it, and an evaluation set ``gsm8k_test_le2`` reads the test split with it.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 from grpo_core.answers import gold_value
 from grpo_core.tasks import Task, bucket, check_split
 
 VALIDATION_PERCENT = 5  # share of train questions kept out of training for validation
+CALCULATOR = re.compile(r"<<[^<>]*>>")  # one calculator step of a reference solution
 
 
-def rows(split: str, gsm8k_source: str = "openai/gsm8k", limit: int | None = None) -> list[dict]:
-    """GSM8K rows of ``split`` (the first ``limit``)."""
+def rows(split: str, gsm8k_source: str = "openai/gsm8k", gsm8k_max_steps: int = 0,
+         limit: int | None = None) -> list[dict]:
+    """GSM8K rows of ``split`` with at most ``gsm8k_max_steps`` steps (0: any), the first ``limit``."""
     check_split(split)
-    if split == "test":
-        return load(gsm8k_source, "test", limit=limit)
-    out = [r for r in load(gsm8k_source, "train")
-           if (bucket(r["prompt"]) < VALIDATION_PERCENT) == (split == "validation")]
+    check_max_steps(gsm8k_max_steps)
+    out = load(gsm8k_source, "test" if split == "test" else "train")
+    if split != "test":
+        out = [r for r in out if (bucket(r["prompt"]) < VALIDATION_PERCENT) == (split == "validation")]
+    if gsm8k_max_steps:
+        out = [r for r in out if r["steps"] <= gsm8k_max_steps]
     return out[:limit] if limit is not None else out
 
 
-def identity(split: str, gsm8k_source: str = "openai/gsm8k") -> dict:
+def check_max_steps(gsm8k_max_steps) -> None:
+    if isinstance(gsm8k_max_steps, bool) or not isinstance(gsm8k_max_steps, int) or gsm8k_max_steps < 0:
+        raise ValueError(f"gsm8k_max_steps must be an integer >= 0 (0 keeps every problem), got {gsm8k_max_steps!r}")
+
+
+def steps_of(answer: str) -> int:
+    """Calculator steps of a reference solution: its ``<<expression=value>>`` annotations."""
+    return len(CALCULATOR.findall(answer))
+
+
+def identity(split: str, gsm8k_source: str = "openai/gsm8k", gsm8k_max_steps: int = 0) -> dict:
     """Source and digest of one split. The digest is sha256 of the file split's rows in order
-    (question, reasoning, gold), so the hub and a local copy of the same data agree and any changed
-    row changes it; train and validation share the train file's digest (fixed slices of it)."""
+    (question, reasoning, gold) and of the steps bound, so the hub and a local copy of the same data
+    agree and any changed row or bound changes it; train and validation share the train file's
+    digest (fixed slices of it)."""
     slice_ = f"{VALIDATION_PERCENT}% of the train split by question hash"
     described = {"train": f"train (less the validation {slice_})",
                  "validation": f"validation ({slice_}; never trained on)", "test": "test"}
     check_split(split)
-    h = hashlib.sha256()
+    check_max_steps(gsm8k_max_steps)
+    bound = f", problems of <= {gsm8k_max_steps} calculator steps" if gsm8k_max_steps else ""
+    h = hashlib.sha256(f"max_steps={gsm8k_max_steps}\n".encode() if gsm8k_max_steps else b"")
     for r in load(gsm8k_source, "test" if split == "test" else "train"):
         h.update(json.dumps([r["prompt"], r["think"], r["gold"]]).encode() + b"\n")
-    return {"source": gsm8k_source, "split": described[split], "digest": h.hexdigest()[:16]}
+    return {"source": gsm8k_source, "split": described[split] + bound, "digest": h.hexdigest()[:16]}
 
 
 def resolve(params: dict) -> dict:
@@ -92,7 +115,8 @@ def load(source: str, split: str, limit: int | None = None) -> list[dict]:
         except ValueError as exc:
             raise ValueError(f"GSM8K {where} row {i} (0-based): gold answer is not a number ({exc})") from exc
         think = a.rsplit("####", 1)[0].strip()
-        out.append({"id": f"gsm8k_{split}:{i}", "prompt": q, "gold": _plain(gold), "think": think})
+        out.append({"id": f"gsm8k_{split}:{i}", "prompt": q, "gold": _plain(gold), "think": think,
+                    "steps": steps_of(a)})
     return out
 
 
@@ -124,6 +148,7 @@ def _check_jsonl(path: str) -> None:
                          "(a copy of openai/gsm8k 'main')")
 
 
-TASK = Task("gsm8k", ("gsm8k_source",), rows, identity, resolve=resolve,
+TASK = Task("gsm8k", ("gsm8k_source", "gsm8k_max_steps"), rows, identity, resolve=resolve,
+            difficulty_param="gsm8k_max_steps",
             unreadable_hint="Offline, point GSM8K_DIR at a local copy with train.jsonl/test.jsonl (e.g. "
                             "GSM8K_DIR=../shared/data/gsm8k); online, the hub id openai/gsm8k works as is.")
