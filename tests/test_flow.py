@@ -17,7 +17,7 @@ import pytest
 from grpo_core.pipeline_config import deep_merge
 from grpo_core.stages import GRPO_STAGES
 from tests.conftest import S3_ENV, free_port
-from tests.helpers import GSM8K_DIR, REPO, same_weights
+from tests.helpers import GSM8K_DIR, REPO, require_gsm8k, same_weights
 
 FLOW = str(REPO / "flows" / "grpo_flow.py")
 K8S_CFG = str(REPO / "flows" / "configs" / "kubernetes.toml")
@@ -33,10 +33,11 @@ TINY = {
 }
 
 os.environ.setdefault("USERNAME", "pytest")  # Runner resolves the Metaflow user in this process too
-pytestmark = pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs GSM8K_DIR (a local GSM8K copy)")
 
 
 def tiny_config(root, **overrides) -> dict:
+    """The tiny pipeline config for a flow run; a flow run reads GSM8K, so the test needs GSM8K_DIR."""
+    require_gsm8k()
     with open(REPO / "flows" / "configs" / "tiny.toml", "rb") as f:
         base = tomllib.load(f)
     cfg = deep_merge(base, TINY)

@@ -17,7 +17,6 @@ from grpo_core import checkpoint
 from grpo_core.config import GRPOConfig
 from grpo_core.models import load_policy
 from grpo_core.pipeline_config import PipelineConfig
-from tests.helpers import GSM8K_DIR
 
 
 class CodeOnUnpickle:
@@ -114,7 +113,6 @@ def _file_text(path: Path) -> str:
     return data.decode("latin-1")
 
 
-@pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs GSM8K_DIR (a local GSM8K copy)")
 def test_env_credentials_never_reach_mlflow_metaflow_logs_or_cards(tmp_path):
     """One tiny flow run with fake secrets in its environment, then every channel is scanned.
     A control string (the config name, which is meant to be logged) must be found in each
