@@ -199,6 +199,8 @@ ADVERSARIAL = {
     "numbered headings": "#### 1. Step\n" * 15000,
     "heading spaces": "#### 1" + " " * 200000 + "A",
     "hashes and boxes": "#### 1\n\\boxed{2}" * 12000,
+    "full-width digits": "\uff11" * 200000,
+    "no-break groups": "1" + "\u00a0000" * 40000,
 }
 
 
@@ -224,6 +226,24 @@ def test_adversarial_inputs_are_graded_in_linear_work(name):
     once, four_times = _grading_cpu_seconds(text), _grading_cpu_seconds(text * 4)
     assert four_times <= 10 * max(once, 1e-3), \
         f"{name}: {once:.4f} s CPU for {len(text)} chars, {four_times:.4f} s for 4 times as many"
+
+
+@pytest.mark.parametrize("completion,gold,correct", [
+    ("#### \uff11\uff18", 18, True),                    # full-width digits
+    ("<answer>\u0661\u0668</answer>", 18, True),        # Arabic-Indic digits
+    ("The answer is \u06f1\u06f8.", 18, True),          # extended Arabic-Indic (Persian) digits
+    ("#### \uff11,\uff12\uff13\uff14", 1234, True),
+    ("She has 1\u00a0000 apples.", 1000, True),          # no-break space as thousands separator
+    ("#### 1\u202f234\u202f567", 1234567, True),       # narrow no-break space groups
+    ("Total: 1\u2009500", 1500, True),                  # thin space
+    ("In 2 100 rows", 2100, False),                    # an ordinary space separates two numbers: 100
+    ("In 2 100 rows", 100, True),
+    ("1\u00a000", 100, False),                          # not a group of three: 1 and 00
+    ("x\u00b2 = 4", 4, True),                           # a superscript is no digit: the answer is 4
+    ("x\u00b2", 2, False),
+])
+def test_digits_of_other_scripts_and_no_break_thousands_separators(completion, gold, correct):
+    assert is_correct(completion, gold) is correct, extract_answer(completion)
 
 
 def test_long_digit_strings_are_capped():
