@@ -33,3 +33,23 @@ def test_readme_registry_example_names_the_model_the_default_registers():
     registered = PipelineConfig.from_dict(local).register.model_name
     examples = re.findall(r"python -m grpo_core\.registry compare (\S+)", README)
     assert examples and set(examples) == {registered}, (examples, registered)
+
+
+def test_readme_mlflow_ui_opens_the_store_the_flow_and_the_registry_cli_use(monkeypatch):
+    """README's `mlflow ui --backend-store-uri sqlite:///$PWD/...`, typed in the repo root, opens
+    the db the flow's start and `python -m grpo_core.registry compare` resolve by default."""
+    from grpo_core import registry
+    from grpo_core.pipeline import PROJECT_DIR
+    from grpo_core.tracking import resolve_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    [store] = re.findall(r"^mlflow ui --backend-store-uri (\S+)", README, flags=re.M)
+    typed = store.replace("$PWD", str(REPO))
+    assert typed == resolve_tracking_uri(None, str(PROJECT_DIR)) == f"sqlite:///{registry.PROJECT_DIR}/.grpo/mlflow/mlflow.db"
+
+
+def test_readme_flow_commands_name_config_files_that_exist():
+    configs = re.findall(r"python flows/grpo_flow\.py [^\n`]*?--config cfg (flows/configs/\S+)", README)
+    assert configs, "README shows no --config command"
+    for path in configs:
+        assert (REPO / path).is_file(), path
