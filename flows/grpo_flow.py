@@ -28,6 +28,7 @@ os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.enviro
 from metaflow import Config, FlowSpec, card, current, parallel, step
 
 from grpo_core import evaluation_step, launcher, pipeline
+from grpo_core.config_checks import ConfigError
 from grpo_core.pipeline_config import PipelineConfig, parse_config_text
 
 from cards import registry_card, stage_table_card, training_card, training_result
@@ -36,8 +37,19 @@ from compute import eval_compute, train_compute
 LOCAL_DEFAULT = str(Path(__file__).resolve().parent / "configs" / "local.toml")
 
 
+def checked_config(text: str) -> dict:
+    """The flow's config, validated as Metaflow reads it: a bad field stops the command with the
+    one-line ConfigError (naming the field and the fix), not under a traceback."""
+    data = parse_config_text(text)
+    try:
+        PipelineConfig.from_dict(data)
+    except ConfigError as exc:
+        raise SystemExit(f"config error: {exc}") from None
+    return data
+
+
 class GRPOFlow(FlowSpec):
-    cfg = Config("cfg", default=LOCAL_DEFAULT, parser=parse_config_text)
+    cfg = Config("cfg", default=LOCAL_DEFAULT, parser=checked_config)
 
     @property
     def pc(self) -> PipelineConfig:

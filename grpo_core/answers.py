@@ -14,6 +14,10 @@ Numbers are exact ``fractions.Fraction`` values. Accepted forms: ``$``, ``%``, u
 ``\\frac{a}{b}``, mixed numbers (``2 1/2`` and ``2\\frac{1}{2}`` are 5/2; ``-2 1/2`` is -5/2; the whole part
 has 1-3 digits or thousands commas, the fraction is proper: ``in 2023 1/4`` and ``4 12/2`` are two numbers) and
 scientific notation with at most 3 exponent digits (``1.5e6``). ``12,5`` is not a decimal comma: it reads as 5.
+Digits of any script are read as their values (full-width ``１８`` and Arabic-Indic ``١٨`` are 18; superscripts such
+as ``²`` are not decimal digits and stay text), and a no-break, narrow no-break or thin space between a digit and
+exactly three digits is a thousands separator (``1\u00a0000`` is 1000; an ordinary space is not: ``2 100`` is two
+numbers).
 An integer gold is matched with an absolute tolerance of 1e-6 (so 1,449,999 is not 1,450,000); any other
 gold with a relative tolerance of 1e-6 * max(1, |gold|).
 Parsing uses ``str.find``/``count`` and small regexes without nested quantifiers, so it is
@@ -26,6 +30,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import unicodedata
 from decimal import Decimal
 from fractions import Fraction
 
@@ -59,9 +64,22 @@ def _frac_to_slash(m: re.Match) -> str:
     return f"{space}{m.group(1)}/{m.group(2)}"
 
 
+# a no-break (U+00A0), narrow no-break (U+202F) or thin (U+2009) space between a digit and exactly three digits
+_SPACE_SEP = re.compile("(?<=[0-9])[\u00a0\u202f\u2009](?=[0-9]{3}(?![0-9]))")
+
+
+def _ascii_digits(text: str) -> str:
+    """``text`` with every decimal digit of another script (full-width, Arabic-Indic, ...) as its ASCII digit."""
+    if text.isascii():
+        return text
+    return "".join(str(unicodedata.decimal(ch)) if ch.isdecimal() and not ch.isascii() else ch for ch in text)
+
+
 def _normalise(text: str) -> str:
-    """``text`` with LaTeX thousands separators as ``,`` and ``\\frac{a}{b}`` as ``a/b``: the one place
-    numbers are prepared before ``_NUMBER`` reads them."""
+    """``text`` with digits of every script as ASCII digits, no-break-space and LaTeX thousands separators
+    as ``,`` and ``\\frac{a}{b}`` as ``a/b``: the one place numbers are prepared before ``_NUMBER`` reads
+    them. Each replacement keeps the length up to the ``\\frac`` step, which comes last."""
+    text = _SPACE_SEP.sub(",", _ascii_digits(text))
     return _FRAC.sub(_frac_to_slash, _LATEX_SEP.sub(",", text))
 
 

@@ -6,17 +6,21 @@ same items (paired, exact McNemar), not by comparing two accuracies: on a few hu
 version becomes ``champion`` and the old one ``previous-champion``; otherwise ``challenger``.
 
 The model is an MLflow pyfunc (``served_model.py``) that wraps the Hugging Face directory and
-decodes greedily, so ``mlflow.pyfunc.load_model("models:/grpo-gsm8k@champion")`` works without
+decodes greedily, so ``mlflow.pyfunc.load_model("models:/grpo-smollm2@champion")`` works without
 grpo_core installed. Per-item results live on the run as ``eval/items_<set>.json``.
 
-    python -m grpo_core.registry compare grpo-gsm8k [--a 3 --b 4] [--tracking-uri URI]
+    python -m grpo_core.registry compare grpo-smollm2 [--a 3 --b 4] [--tracking-uri URI]
+
+The CLI reads the store ``--tracking-uri`` names, else ``$MLFLOW_TRACKING_URI``, else the local
+default's sqlite store under ``<project>/.grpo/mlflow`` (where ``python flows/grpo_flow.py run``
+writes). A missing store or an unknown model name is a one-line error; the latter lists the
+registered models.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -24,10 +28,11 @@ from pathlib import Path
 
 from grpo_core.served_model import DEFAULT_MAX_NEW_TOKENS, QUIET, log_pyfunc_model, use_uri
 from grpo_core.stats import accuracy, mcnemar_exact, wilson_interval
-from grpo_core.tracking import clean_tags, env_defaults, mlflow_client
+from grpo_core.tracking import clean_tags, env_defaults, mlflow_client, resolve_tracking_uri, sqlite_path
 
 RULES = ("significant", "better", "always")
 MAX_DECISIONS = 3  # decisions re-taken when concurrent registrations keep moving @champion
+PROJECT_DIR = Path(__file__).resolve().parents[1]  # as grpo_core.pipeline: the local default's .grpo/ is here
 
 
 # ---------------------------------------------------------------- pure decision logic
@@ -302,22 +307,42 @@ def print_pair(client, name: str, a: int, b: int, eval_set: str | None = None, s
             print(f"  ... {len(diff) - show} more differing items")
 
 
+def cli_tracking_uri(given: str | None) -> str:
+    """``--tracking-uri``, else $MLFLOW_TRACKING_URI, else the local default's store, as the flow
+    resolves it; a sqlite store that does not exist is an error, not a new empty db."""
+    uri = given or resolve_tracking_uri(None, str(PROJECT_DIR))
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():
+        raise SystemExit(f"python -m grpo_core.registry: error: no MLflow store at {db} (the local default's, "
+                         "written by `python flows/grpo_flow.py run`): run the flow first, or give --tracking-uri "
+                         "or set MLFLOW_TRACKING_URI")
+    return uri
+
+
+def require_registered(client, name: str, uri: str) -> None:
+    """Stop with one line naming the registered models when ``name`` is not one of them."""
+    names = sorted(m.name for m in client.search_registered_models())
+    if name not in names:
+        raise SystemExit(f"python -m grpo_core.registry: error: no registered model {name!r} in {uri}; "
+                         f"registered: {', '.join(names) or 'none yet'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m grpo_core.registry", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("compare", help="table of versions; with --a/--b a paired comparison")
-    c.add_argument("name", help="registered model name, e.g. grpo-gsm8k")
+    c.add_argument("name", help="registered model name, e.g. grpo-smollm2 (the local default's)")
     c.add_argument("--a", type=int, help="first version of the paired comparison")
     c.add_argument("--b", type=int, help="second version of the paired comparison")
     c.add_argument("--set", dest="eval_set", help="eval set to compare (default: all shared)")
-    c.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI")
+    c.add_argument("--tracking-uri", default=None,
+                   help="default: $MLFLOW_TRACKING_URI, else the local default's .grpo/mlflow/mlflow.db")
     args = p.parse_args(argv)
-    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri:
-        p.error("give --tracking-uri or set MLFLOW_TRACKING_URI")
     if (args.a is None) != (args.b is None):
         p.error("--a and --b go together")
+    uri = cli_tracking_uri(args.tracking_uri)
     client = mlflow_client(uri)
+    require_registered(client, args.name, uri)
     print_versions(client, args.name)
     if args.a is not None:
         print_pair(client, args.name, args.a, args.b, args.eval_set)

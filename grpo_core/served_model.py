@@ -25,7 +25,8 @@ PYFUNC_CODE = '''\
 registered this model measured it: the same prompt format (the tokenizer's chat template, else the
 question and a newline; no added special tokens), plain argmax decoding (the checkpoint's
 generation_config extras, such as repetition_penalty, are not applied), and an answer that repeats
-itself verbatim stops where the evaluation stopped it.
+itself verbatim stops where the evaluation stopped it. An empty list, or a question that is not
+non-empty text, is refused with a ValueError naming it.
 """
 import mlflow
 from mlflow.pyfunc import PythonModel
@@ -81,6 +82,12 @@ class GreedyCausalLM(PythonModel):
     def predict(self, context, model_input: list[str], params=None) -> list[str]:
         import torch
 
+        if isinstance(model_input, str) or not isinstance(model_input, (list, tuple)) or not model_input:
+            raise ValueError("predict takes a non-empty list of questions (strings), e.g. ['What is 2 + 3?'];"
+                             f" got {model_input!r:.80}")
+        for i, question in enumerate(model_input):
+            if not isinstance(question, str) or not question.strip():
+                raise ValueError(f"question {i} is {question!r:.80}: each question must be non-empty text")
         out = []
         for question in model_input:  # one at a time: no padding side to get wrong
             enc = self.tok(self.render(question), return_tensors="pt", add_special_tokens=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -12,6 +13,14 @@ from grpo_core.config import GROUPS
 REPO = Path(__file__).resolve().parents[1]
 # GSM8K_DIR unset or empty (README's commands leave it empty without ../shared): the shared copy's place
 GSM8K_DIR = Path(__import__("os").environ.get("GSM8K_DIR") or REPO.parent / "shared" / "data" / "gsm8k").resolve()
+
+
+def require_gsm8k() -> Path:
+    """The GSM8K copy for a test that reads it; without one the test fails (never skips) and says what to set."""
+    if not GSM8K_DIR.is_dir():
+        pytest.fail(f"this test reads GSM8K: set GSM8K_DIR to a local GSM8K copy (no directory at {GSM8K_DIR}; "
+                    "CI and README's commands use ../shared/data/gsm8k)", pytrace=False)
+    return GSM8K_DIR
 
 
 SEVENS = [{"fn": "grpo_core.rewards:target_char_fraction", "weight": 1.0}]

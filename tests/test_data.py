@@ -9,9 +9,14 @@ from grpo_core.data import eval_rows, train_rows
 from grpo_core.evaluate import eval_sets
 from grpo_core.pipeline_config import PipelineConfig
 from grpo_core.tasks import SPLITS, arithmetic, gsm8k
-from tests.helpers import GSM8K_DIR
+from tests.helpers import GSM8K_DIR, require_gsm8k
 
-needs_gsm8k = pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs GSM8K_DIR (a local GSM8K copy)")
+needs_gsm8k = pytest.mark.usefixtures("gsm8k_dir")
+
+
+@pytest.fixture
+def gsm8k_dir():
+    return require_gsm8k()
 
 
 def _ids(rows):

@@ -121,8 +121,9 @@ def test_kustomization_lists_exactly_the_resource_files():
     assert find(kustomized_docs(), "Namespace", NAMESPACE)
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not on PATH")
 def test_kustomize_builds_the_listed_objects():
+    if shutil.which("kubectl") is None:
+        pytest.fail("kubectl is not on PATH: install it (Debian: apt-get install kubernetes-client)", pytrace=False)
     out = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     built = sorted((d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out) if d)
@@ -131,7 +132,7 @@ def test_kustomize_builds_the_listed_objects():
 
 
 def test_manifests_round_trip_through_kubernetes_models():
-    k8s = pytest.importorskip("kubernetes.client")
+    import kubernetes.client as k8s  # in requirements-dev.txt
     api = k8s.ApiClient()
     for path, doc in all_docs():
         model = "V1" + doc["kind"]
@@ -380,8 +381,6 @@ def test_requirements_filter_drops_only_torch(tmp_path):
 
 def test_requirements_torch_pin_matches_the_base_image():
     req = ROOT / "requirements.txt"
-    if not req.exists():
-        pytest.skip("requirements.txt not written yet")
     pins = re.findall(r"(?im)^\s*torch\s*==\s*([\d.]+)", req.read_text())
     base = next(a for k, a in dockerfile() if k == "ARG" and a.startswith("BASE_IMAGE="))
     if pins:

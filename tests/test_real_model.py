@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from grpo_core import gguf_source, rollout
-from tests.helpers import GSM8K_DIR, REPO, same_weights, stage_args
+from tests.helpers import REPO, require_gsm8k, same_weights, stage_args
 
 PACKAGED = "smollm2-135m-instruct"
 PROMPTS = ["What is 2 + 3?", "Compute 17 * 4 and explain the steps briefly.", "Hi"]
@@ -148,7 +148,6 @@ def test_one_grpo_iteration_under_torchrun_trains_the_real_model(smol_cache, tmp
     assert sorted(p.name for p in (cache / "gguf").iterdir() if not p.name.endswith(".lock")) == [record["sha256"]]
 
 
-@pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs GSM8K_DIR (a local GSM8K copy)")
 def test_a_gsm8k_answer_that_counts_on_to_the_cap_is_counted_looped_not_cut(smol):
     """GSM8K test item 53: the start model's greedy answer repeats one sentence with new numbers
     ("The revenue earned ... is 12 * $3160 = $3430.") until the cap. Not a verbatim loop, so
@@ -158,7 +157,7 @@ def test_a_gsm8k_answer_that_counts_on_to_the_cap_is_counted_looped_not_cut(smol
     from grpo_core.tasks import gsm8k
 
     model, tok = smol
-    row = gsm8k.rows("test", str(GSM8K_DIR), limit=54)[53]
+    row = gsm8k.rows("test", str(require_gsm8k()), limit=54)[53]
     [res] = greedy_results(model, tok, [row], max_new_tokens=512)
     ids = tok(res["completion"], add_special_tokens=False)["input_ids"]
     assert res["capped"] and len(ids) >= 500, "it ran to the cap"

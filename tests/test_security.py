@@ -17,7 +17,6 @@ from grpo_core import checkpoint
 from grpo_core.config import GRPOConfig
 from grpo_core.models import load_policy
 from grpo_core.pipeline_config import PipelineConfig
-from tests.helpers import GSM8K_DIR
 
 
 class CodeOnUnpickle:
@@ -114,7 +113,6 @@ def _file_text(path: Path) -> str:
     return data.decode("latin-1")
 
 
-@pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs GSM8K_DIR (a local GSM8K copy)")
 def test_env_credentials_never_reach_mlflow_metaflow_logs_or_cards(tmp_path):
     """One tiny flow run with fake secrets in its environment, then every channel is scanned.
     A control string (the config name, which is meant to be logged) must be found in each
@@ -129,10 +127,18 @@ def test_env_credentials_never_reach_mlflow_metaflow_logs_or_cards(tmp_path):
     result = run_flow(tmp_path, cfg, AWS_ACCESS_KEY_ID="FAKEKEYID", **SECRET_ENV)
     assert result.status == "successful", result.stderr[-5000:]
     scan_for_secrets(tmp_path, cfg["tracking_uri"], result.run, result.stdout + result.stderr, control)
+    planted = f"{result.stdout}\n[stage] token={SECRET}\n{result.stderr}"  # the scan catches what it looks for
+    with pytest.raises(AssertionError, match=r"runner output: .*token="):
+        scan_for_secrets(tmp_path, cfg["tracking_uri"], result.run, planted, control)
+
+
+LOG_CONTROL = "95% CI"  # the end step prints its stage table: a log read back empty lacks it
 
 
 def scan_for_secrets(root: Path, tracking_uri: str, run, output: str, control: str) -> None:
-    needles = (SECRET, control, "informative")
+    """Fails naming where SECRET appears; also fails when a channel could not be read (its control
+    string is missing), so an empty log or an undecoded blob cannot pass."""
+    needles = (SECRET, control, "informative", LOG_CONTROL)
     channels = {"output": _hits("runner output", output, needles),
                 "mlflow": _scan_mlflow(tracking_uri, needles),
                 **_scan_metaflow(run, needles),
@@ -143,6 +149,8 @@ def scan_for_secrets(root: Path, tracking_uri: str, run, output: str, control: s
         assert any(n == control for n, _ in channels[channel]), f"control string not seen in {channel}"
     assert any(n == "informative" and "decoded" in w for n, w in channels["cards"]), "card data not decoded"
     assert any(n == control and ".metaflow/" in w for n, w in channels["files"]), "datastore blobs not read"
+    for channel in ("logs", "output"):
+        assert any(n == LOG_CONTROL for n, _ in channels[channel]), f"the end step's table not seen in {channel}"
 
 
 def _scan_mlflow(uri: str, needles) -> list:

@@ -22,8 +22,10 @@ def test_learns_a_learnable_reward(tiny, tmp_path):
                               optim=dict(lr=3e-3), loss=dict(beta=0.0), prompts_per_iter=8, checkpoint=dict(every=40),
                               sampling=dict(max_new_tokens=32)))
     rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["reward"] <= 0.2
-    assert max(r["reward"] for r in rows) >= 0.8, [round(r["reward"], 3) for r in rows]
+    rewards = [round(r["reward"], 3) for r in rows]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5  # window means: one lucky iteration does not pass
+    assert rows[0]["reward"] <= 0.2 and first <= 0.3, rewards
+    assert last >= 0.8 and min(rewards[-5:]) >= 0.6, rewards
     for key in ("reward", "reward_std", "informative_frac", "kl", "loss", "clip_frac", "entropy",
                 "completion_len", "truncated_frac", "grad_norm", "tokens_per_s", "time_generate",
                 "time_reward", "time_update"):
