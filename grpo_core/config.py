@@ -19,6 +19,7 @@ from grpo_core.config_checks import at_least, check_arithmetic, check_choice, fr
 
 SCALES = ("group", "batch", "none")
 SAMPLERS = ("inverse_cdf", "multinomial")
+ROLLOUT_IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate", "none")  # = losses'
 PRECISIONS = ("fp32", "bf16")
 PARALLELISMS = ("ddp", "fsdp2")
 TINY_ARCHITECTURES = ("llama", "qwen2")  # models.ARCHITECTURES (config cannot import torch)
@@ -88,7 +89,7 @@ class SamplingSettings:
     rollout_engine: str = "auto"
     """What samples the rollouts, one entry of `engines.ENGINES`: auto (the shared-prefix decoder
     where the model supports it, else transformers' generate) | decoder (insist on the decoder) |
-    generate (always generate)."""
+    generate (always generate) | vllm (a vLLM server from its own environment: ``[<stage>.vllm]``)."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop all-equal groups and draw more prompts to refill."""
     max_resample_rounds: int = 3
@@ -126,9 +127,20 @@ class LossSettings:
     """Epsilon added to the std in the advantage denominator."""
     mask_truncated: bool = False
     """Exclude completions that hit sampling.max_new_tokens from the loss."""
+    rollout_is: str = "sequence_mask"
+    """Importance sampling between the trainer's policy and an engine that samples with its own copy
+    (vllm): r = exp(old_logp - sampler_logp) per token (token_*) or of the sum over the sequence
+    (sequence_*); truncate caps r at rollout_is_cap, mask zeroes it above the cap; the policy term
+    is multiplied by r (detached). none: measure only. In-process engines sample with the trained
+    weights themselves: no correction (r = 1)."""
+    rollout_is_cap: float = 3.0
+    """The importance ratio's cap (TRL's vllm_importance_sampling_cap)."""
 
     def check(self, w: str) -> None:
         w = f"{w}.loss"
+        check_choice(self.rollout_is, ROLLOUT_IS_MODES, f"{w}.rollout_is")
+        require(math.isfinite(self.rollout_is_cap) and self.rollout_is_cap >= 1, f"{w}.rollout_is_cap",
+                f"must be a finite number >= 1, got {self.rollout_is_cap}")
         check_choice(self.type, loss_type_names(), f"{w}.type")
         check_choice(self.scale, SCALES, f"{w}.scale")
         non_negative(self, w, "beta", "clip_low", "adv_eps")
@@ -206,6 +218,42 @@ class ExecutionSettings:
         require(self.micro_batch_groups >= 0, f"{w}.micro_batch_groups",
                 f"must be >= 0 (0 = all of a rank's groups at once), got {self.micro_batch_groups}")
         positive(self, w, "collective_timeout_s")
+
+
+@dataclass
+class VllmSettings:
+    """The vLLM server of ``sampling.rollout_engine = "vllm"`` (a stage's ``[<stage>.vllm]`` table).
+    Its dtype follows execution.precision (fp32: float32, bf16: bfloat16)."""
+
+    python: str = ""
+    """vLLM's environment: a venv directory or its python; empty: the repo's .vllm-venv (built by
+    infra/vllm-env.sh)."""
+    port: int = 0
+    """Port on 127.0.0.1; 0: a free one."""
+    startup_timeout_s: float = 300.0
+    """Seconds the server may take to answer /health before the stage fails with its log."""
+    request_timeout_s: float = 600.0
+    """Seconds one completion request or weight reload may take."""
+    kv_cache_memory_bytes: int = 1 << 30
+    """KV-cache size; 0: vLLM sizes it from gpu_memory_utilization (a GPU). On CPU set it: vLLM's
+    default share of the node's RAM fails its start-up check on small machines."""
+    gpu_memory_utilization: float = 0.3
+    """Share of the GPU's memory vLLM may take (weights and KV cache) when kv_cache_memory_bytes is 0;
+    the trainer holds the rest."""
+    max_model_len: int = 0
+    """Longest sequence served; 0: sampling.max_prompt_tokens + the larger generation cap."""
+    extra_args: list = field(default_factory=list)
+    """More `vllm serve` arguments, e.g. ["--max-num-seqs", "64"]."""
+
+    def check(self, w: str) -> None:
+        w = f"{w}.vllm"
+        require(0 <= self.port < 65536, f"{w}.port", f"must be in 0..65535 (0: a free port), got {self.port}")
+        positive(self, w, "startup_timeout_s", "request_timeout_s")
+        at_least(self, w, 0, "kv_cache_memory_bytes", "max_model_len")
+        require(0 < self.gpu_memory_utilization <= 1, f"{w}.gpu_memory_utilization",
+                f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        require(all(isinstance(a, str) for a in self.extra_args), f"{w}.extra_args",
+                f"{self.extra_args!r}: give a list of strings")
 
 
 @dataclass
@@ -317,7 +365,7 @@ class StageRuntime:
 
 GROUPS = {"sampling": SamplingSettings, "loss": LossSettings, "optim": OptimSettings,
           "execution": ExecutionSettings, "validation": ValidationSettings, "gate": GateSettings,
-          "pool": PoolSettings, "checkpoint": CheckpointSettings, "lora": LoraSettings}
+          "pool": PoolSettings, "checkpoint": CheckpointSettings, "lora": LoraSettings, "vllm": VllmSettings}
 """A stage's sub-tables, in the order the configuration reference lists them."""
 
 
@@ -385,6 +433,8 @@ class GRPOConfig:
     """Checkpoint cadence and retention (``[<stage>.checkpoint]``)."""
     lora: LoraSettings = field(default_factory=LoraSettings)
     """LoRA adapters instead of full fine-tuning (``[<stage>.lora]``)."""
+    vllm: VllmSettings = field(default_factory=VllmSettings)
+    """The vLLM server of rollout_engine = "vllm" (``[<stage>.vllm]``)."""
     runtime: StageRuntime = field(default_factory=StageRuntime)
     """Filled in by the flow (model, directories, MLflow run): not set in a stage table."""
 
@@ -405,7 +455,7 @@ class GRPOConfig:
         non_negative(self, w, "reward_timeout_s")
         check_arithmetic(self.arithmetic_ops, self.arithmetic_min, self.arithmetic_max, w)
         for group in (self.sampling, self.loss, self.optim, self.execution, self.validation, self.pool,
-                      self.checkpoint):
+                      self.checkpoint, self.vllm):
             group.check(w)
         self.gate.check(w, self.validation)
         self.lora.check(w, self.disable_dropout)

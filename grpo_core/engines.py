@@ -14,10 +14,14 @@ The evaluation decodes through the same seam (``evaluate.greedy_results`` with
 ``Sampling(greedy=True)``): in a stage, with the stage's engine; in the final evaluation step,
 with "auto".
 
-The engines here sample with the policy module itself, in this process, so syncing only records
-the module. Adding an engine is one class with these two methods plus its ``ENGINES`` entry
-beside it; the stage config's ``rollout_engine`` selects it by name and is validated against
-``ENGINES`` (this module imports no transformers at load, so the config can read it).
+The in-process engines sample with the policy module itself, so syncing only records the module.
+The ``vllm`` engine (``grpo_core.vllm_engine``) samples with a vLLM server of its own environment,
+so syncing sends it the weights; it also returns the sampled tokens' log-probs
+(``RolloutBatch.sampler_logp``), which the loss uses to correct the rollout/trainer mismatch.
+Adding an engine is one class with these two methods (and ``close``) plus its ``ENGINES`` entry,
+a factory of ``(tok, cfg)``; the stage config's ``rollout_engine`` selects it by name and is
+validated against ``ENGINES`` (this module imports no transformers at load, so the config can
+read it).
 """
 from __future__ import annotations
 
@@ -76,14 +80,25 @@ class InProcessEngine:
             raise RuntimeError("sync_weights(model) must come before generate()")
         return generate_rollouts(self.model, self.tok, rows, group_size, engine=self.mode, **sampling.__dict__)
 
+    def close(self) -> None:
+        pass  # nothing held but the policy, which is the trainer's
+
+
+def _vllm(tok, cfg):
+    from grpo_core.vllm_engine import VllmEngine  # stdlib + torch: vLLM itself runs in its own venv
+
+    return VllmEngine(tok, cfg)
+
 
 ENGINES = {
-    "auto": lambda tok: InProcessEngine(tok, "auto"),
-    "decoder": lambda tok: InProcessEngine(tok, "decoder"),
-    "generate": lambda tok: InProcessEngine(tok, "generate"),
+    "auto": lambda tok, cfg: InProcessEngine(tok, "auto"),
+    "decoder": lambda tok, cfg: InProcessEngine(tok, "decoder"),
+    "generate": lambda tok, cfg: InProcessEngine(tok, "generate"),
+    "vllm": _vllm,
 }
 
 
-def build(name: str, tok) -> RolloutEngine:
-    """The engine a stage's ``rollout_engine`` names (validated against ``ENGINES`` at config load)."""
-    return ENGINES[name](tok)
+def build(name: str, tok, cfg=None) -> RolloutEngine:
+    """The engine a stage's ``rollout_engine`` names (validated against ``ENGINES`` at config load);
+    ``cfg``: the stage's ``GRPOConfig`` (the vllm engine needs it; in-process engines ignore it)."""
+    return ENGINES[name](tok, cfg)

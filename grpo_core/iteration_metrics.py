@@ -74,3 +74,35 @@ def iteration_metrics(iteration: int, sums: dict[str, float], *, seconds: float,
             if rows:  # a function that applied to no row this iteration has no mean
                 m[f"reward/{name.split(':')[-1]}"] = total / rows
     return m
+
+
+# ----------------------------------------------------------------------------- rollout/trainer mismatch
+MISMATCH_SUMS = ("tokens", "gap_sum", "ratio_sum", "capped")
+MISMATCH_MAXES = ("gap_max", "ratio_max", "neg_ratio_min")
+
+
+def new_mismatch() -> dict[str, float]:
+    """An empty accumulator of ``losses.rollout_is_weights`` stats (``add_mismatch``)."""
+    return {**dict.fromkeys(MISMATCH_SUMS, 0.0), "gap_max": 0.0, "ratio_max": -math.inf, "neg_ratio_min": -math.inf}
+
+
+def add_mismatch(acc: dict[str, float], stats: dict) -> None:
+    """Fold one micro-batch's ``rollout_is_weights`` stats into ``acc`` (sums add, extremes extend)."""
+    for k in MISMATCH_SUMS:
+        acc[k] += float(stats[k])
+    acc["gap_max"] = max(acc["gap_max"], float(stats["gap_max"]))
+    acc["ratio_max"] = max(acc["ratio_max"], float(stats["ratio_max"]))
+    acc["neg_ratio_min"] = max(acc["neg_ratio_min"], -float(stats["ratio_min"]))
+
+
+def mismatch_metrics(sums: dict[str, float], maxes: dict[str, float]) -> dict[str, float]:
+    """The iteration's mismatch metrics from accumulators summed (``MISMATCH_SUMS``) and maxed
+    (``MISMATCH_MAXES``) over ranks: the trainer/sampler log-prob gap |old_logp - sampler_logp|
+    (mean, max over tokens), the importance ratio before its cap (min, mean, max) and the share
+    of tokens the cap changed."""
+    n = sums["tokens"]
+    if not n:
+        return {}
+    return {"rollout_logp_gap_mean": sums["gap_sum"] / n, "rollout_logp_gap_max": maxes["gap_max"],
+            "rollout_is_ratio_min": -maxes["neg_ratio_min"], "rollout_is_ratio_mean": sums["ratio_sum"] / n,
+            "rollout_is_ratio_max": maxes["ratio_max"], "rollout_is_capped_frac": sums["capped"] / n}

@@ -180,6 +180,49 @@ def micro_batch_weight(loss_type: str, rows: int, total_rows: int, tokens: float
     return entry.micro_batch_weight(rows, total_rows, tokens, total_tokens, global_counts)
 
 
+# ----------------------------------------------------------------------------- rollout/trainer mismatch
+
+ROLLOUT_IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate", "none")
+
+
+def rollout_is_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mode: str = "sequence_mask",
+                       cap: float = 3.0) -> tuple[Tensor, dict[str, Tensor]]:
+    """Importance weights that correct for an engine sampling from its own copy of the policy.
+
+    old_logp: [B, T] the trainer's log-probs of the sampled tokens (the policy the update starts
+    from); sampler_logp: [B, T] the engine's; mask: [B, T] bool. The ratio is r = exp(old_logp -
+    sampler_logp) per token (token_*), or exp of its sum over the sequence on each of the
+    sequence's tokens (sequence_*), the log clamped to +-MAX_LOG_RATIO. truncate: min(r, cap);
+    mask: r where r <= cap, else 0; none: 1 (measure only). Returns (weights [B, T], detached, 0
+    off the mask; stats: the masked tokens' ``tokens``, ``gap_sum`` and ``gap_max`` of |old_logp -
+    sampler_logp|, ``ratio_sum``, ``ratio_min`` and ``ratio_max`` of r before the cap, ``capped``:
+    tokens whose weight the cap changed)."""
+    if mode not in ROLLOUT_IS_MODES:
+        raise ValueError(f"rollout_is must be one of {ROLLOUT_IS_MODES}, got {mode!r}")
+    if cap < 1:
+        raise ValueError(f"rollout_is_cap must be >= 1, got {cap}")
+    mask = mask.to(torch.bool)
+    zero = torch.zeros((), dtype=_float_dtype(old_logp), device=old_logp.device)
+    diff = torch.where(mask, old_logp.detach() - sampler_logp.to(old_logp.device), zero)    # [B, T]
+    log_r = diff.sum(dim=1, keepdim=True).expand_as(diff) if mode.startswith("sequence") else diff
+    ratio = torch.exp(log_r.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))                           # [B, T]
+    if mode.endswith("truncate"):
+        weight = ratio.clamp(max=cap)
+    elif mode.endswith("mask"):
+        weight = ratio.masked_fill(ratio > cap, 0.0)
+    else:
+        weight = torch.ones_like(ratio)
+    weight = torch.where(mask, weight, zero)
+    any_token = bool(mask.any())
+    inf = torch.tensor(float("inf"), dtype=ratio.dtype, device=ratio.device)
+    stats = {"tokens": mask.sum().to(ratio.dtype), "gap_sum": diff.abs().sum(),
+             "gap_max": diff.abs().max() if any_token else zero, "ratio_sum": torch.where(mask, ratio, zero).sum(),
+             "ratio_min": ratio[mask].min() if any_token else inf,
+             "ratio_max": ratio[mask].max() if any_token else -inf,
+             "capped": ((ratio > cap) & mask).sum().to(ratio.dtype) if mode != "none" else zero}
+    return weight, stats
+
+
 # ----------------------------------------------------------------------------- the loss
 
 def _validate_loss_args(logp, old_logp, ref_logp, advantages, mask, clip_low, clip_high, beta,
@@ -208,7 +251,8 @@ def _validate_loss_args(logp, old_logp, ref_logp, advantages, mask, clip_low, cl
 def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor, mask: Tensor, *,
               clip_low: float = 0.2, clip_high: float | None = None, beta: float = 0.04, loss_type: str = "dapo",
               max_completion_length: int | None = None, global_token_count=None,
-              global_sequence_count=None, world_size: int = 1) -> tuple[Tensor, dict[str, float]]:
+              global_sequence_count=None, world_size: int = 1,
+              is_weight: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """The policy loss of ``loss_type`` plus beta * k3 KL per token, aggregated as the entry says.
 
     logp:       [B, T] log-probs of the sampled tokens under the current policy (requires grad)
@@ -220,6 +264,8 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantage
     global_token_count: active tokens all-reduced over ranks and micro-batches (token-mean losses);
     global_sequence_count: sequences summed likewise (sequence-mean losses). With them, DDP's
                 gradient mean equals the single-process gradient however the batch is split.
+    is_weight:  [B, T] rollout/trainer importance weights (``rollout_is_weights``), multiplying the
+                policy term per token (not the KL); None: no correction (an in-process engine).
     Returns (loss scalar, stats of python floats): kl, clip_frac_low, clip_frac_high, clip_frac,
     ratio_mean, ratio_max, pg_loss (aggregated like the loss), num_tokens (local).
     """
@@ -236,6 +282,8 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantage
     adv = advantages.to(dtype)[:, None]  # [B, 1]
 
     pg, ratio, clipped_low, clipped_high = entry.policy_term(logp, old_logp, adv, mask, clip_low, clip_high)
+    if is_weight is not None:
+        pg = pg * torch.where(mask, is_weight.detach().to(dtype), zero)  # [B, T]
     kl = k3_kl(logp, ref_logp) if ref_logp is not None else None  # [B, T]
     per_token = pg + beta * kl if beta != 0 else pg  # [B, T]
 

@@ -39,6 +39,8 @@ def objective_card(cfg, world_size: int, rendered_prompt: str | None = None) -> 
                     else ("logp.detach() (on-policy, mu = 1): the ratio is exactly 1 in value, so the "
                           "reported loss is ~beta*KL while its gradient is the policy gradient"),
         "updates_per_batch": cfg.optim.mu,
+        "rollout_engine": cfg.sampling.rollout_engine,
+        "rollout_correction": rollout_correction(cfg),
         "precision": "bf16 autocast (float32 weights, optimizer and loss math)" if cfg.execution.precision == "bf16"
                      else "fp32",
         "micro_batch_groups": cfg.execution.micro_batch_groups or "all of a rank's groups (no accumulation)",
@@ -54,3 +56,19 @@ def objective_card(cfg, world_size: int, rendered_prompt: str | None = None) -> 
         "system_prompt": cfg.system_prompt if cfg.system_prompt is not None else "none (the chat template's default)",
         "rendered_prompt_example": rendered_prompt,
     }
+
+
+IS_LINES = {"sequence_mask": "r = exp(sum over the sequence of (old_logp - sampler_logp)); weight r if r <= {cap:g}, "
+                             "else 0 (the sequence leaves the policy term)",
+            "sequence_truncate": "r = exp(sum over the sequence of (old_logp - sampler_logp)); weight min(r, {cap:g})",
+            "token_mask": "r = exp(old_logp - sampler_logp) per token; weight r if r <= {cap:g}, else 0",
+            "token_truncate": "r = exp(old_logp - sampler_logp) per token; weight min(r, {cap:g})",
+            "none": "none (the gap and ratio are measured only)"}
+
+
+def rollout_correction(cfg) -> str:
+    """How the policy term is reweighted for the engine sampling from its own copy of the weights."""
+    if cfg.sampling.rollout_engine != "vllm":
+        return "none: the in-process engine samples with the trained weights themselves (r = 1)"
+    line = IS_LINES[cfg.loss.rollout_is].format(cap=cfg.loss.rollout_is_cap)
+    return f"{cfg.loss.rollout_is}: {line}; the weight is detached and multiplies the policy term, not the KL"

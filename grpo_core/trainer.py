@@ -24,8 +24,16 @@ from grpo_core.config_checks import ConfigError
 from grpo_core.data import PromptStream, eval_rows, train_rows
 from grpo_core.evaluate import greedy_results
 from grpo_core.gate import PromotionGate
-from grpo_core.iteration_metrics import iteration_metrics, local_sums
-from grpo_core.losses import grpo_loss, micro_batch_weight
+from grpo_core.iteration_metrics import (
+    MISMATCH_MAXES,
+    MISMATCH_SUMS,
+    add_mismatch,
+    iteration_metrics,
+    local_sums,
+    mismatch_metrics,
+    new_mismatch,
+)
+from grpo_core.losses import grpo_loss, micro_batch_weight, rollout_is_weights
 from grpo_core.metrics_recorder import MetricsRecorder
 from grpo_core.models import (
     activation_checkpointing_paused,
@@ -111,7 +119,7 @@ class Trainer:
                                      fused=fused_adamw_ok(self.model) and not self.sharded)
         self.sched = self._schedule()
         self.rewards = resolve_specs([RewardSpec(**r) for r in cfg.rewards])
-        self.engine, self.sampling = engines.build(cfg.sampling.rollout_engine, self.tok), engines.Sampling.of(cfg)
+        self.engine, self.sampling = engines.build(cfg.sampling.rollout_engine, self.tok, cfg), engines.Sampling.of(cfg)
         self.stream = PromptStream(train_rows(cfg), cfg.seed)
         self.pool = PromptPool(cfg.pool, self.stream) if cfg.pool.enabled else None
         self.eval_rows = eval_rows(cfg, cfg.validation.size) if cfg.reads_validation() else None
@@ -285,7 +293,8 @@ class Trainer:
         # fsdp2: each layer call is a collective, so every rank runs as many micro-batches as the
         # rank with the most; the extra ones repeat the first with a zero loss (no gradient, no stats)
         n_parts = int(dist.all_reduce_max(float(len(parts)), dev)) if self.sharded else len(parts)
-        for _ in range(c.optim.mu):
+        self.mismatch = new_mismatch()
+        for epoch in range(c.optim.mu):
             self.opt.zero_grad(set_to_none=True)
             merged = MergedStats()
             for k in range(n_parts):
@@ -296,12 +305,13 @@ class Trainer:
                     with self._precision():  # the forward only: backward follows autocast's forward dtypes
                         logp, ent = completion_logprobs(self.ddp, part, c.sampling.temperature, with_entropy=True)
                     old = part.old_logp if part.old_logp is not None else logp.detach()
+                    is_weight = self._is_weight(old, part, pmask, record=epoch == 0 and not pad)
                     loss, stats = grpo_loss(
                         logp, old.to(dev), None if part.ref_logp is None else part.ref_logp.to(dev),
                         part.advantages.to(dev), pmask.to(dev), clip_low=c.loss.clip_low, clip_high=c.loss.clip_high,
                         beta=c.loss.beta, loss_type=c.loss.type, max_completion_length=c.sampling.max_new_tokens,
                         global_token_count=global_tokens, global_sequence_count=global_rows,
-                        world_size=self.info.world_size)
+                        world_size=self.info.world_size, is_weight=is_weight)
                     weight = 1.0 if len(parts) == 1 else micro_batch_weight(
                         c.loss.type, len(part), len(batch), float(pmask.sum()), float(mask.sum()))
                     if weight != 1.0 or pad:
@@ -313,6 +323,18 @@ class Trainer:
             stats["grad_norm"] = self._step(stats["loss"])
         self.timings["time_update"] += time.perf_counter() - t0
         return stats
+
+    def _is_weight(self, old: torch.Tensor, part: RolloutBatch, pmask: torch.Tensor, record: bool):
+        """The rollout/trainer importance weights of ``part`` (None when its engine sampled with
+        the trained weights themselves), its mismatch stats recorded once per iteration."""
+        if part.sampler_logp is None:
+            return None
+        c, dev = self.cfg.loss, self.info.device
+        weight, stats = rollout_is_weights(old, part.sampler_logp.to(dev), pmask.to(dev), c.rollout_is,
+                                           c.rollout_is_cap)
+        if record:
+            add_mismatch(self.mismatch, stats)
+        return weight
 
     def _precision(self):
         return precision_context(self.cfg.execution.precision, self.info.device)
@@ -351,9 +373,14 @@ class Trainer:
     def iteration_metrics(self, it: int, batch: RolloutBatch, roll: dict, upd: dict, seconds: float) -> dict:
         """The iteration's metrics over all ranks (one collective; see ``iteration_metrics``)."""
         sums = dist.all_reduce_named(local_sums(batch, roll, upd, self.reward_names), self.info.device)
-        return iteration_metrics(it, sums, seconds=seconds, world_size=self.info.world_size, lr=upd["lr"],
-                                 grad_norm=upd["grad_norm"], skipped_updates=self.state["skipped_updates"],
-                                 timings=self.timings, dynamic=roll if self.cfg.sampling.dynamic_sampling else None)
+        m = iteration_metrics(it, sums, seconds=seconds, world_size=self.info.world_size, lr=upd["lr"],
+                              grad_norm=upd["grad_norm"], skipped_updates=self.state["skipped_updates"],
+                              timings=self.timings, dynamic=roll if self.cfg.sampling.dynamic_sampling else None)
+        if batch.sampler_logp is not None:  # the same engine on every rank: all ranks reduce, or none
+            acc, dev = getattr(self, "mismatch", None) or new_mismatch(), self.info.device
+            m.update(mismatch_metrics(dist.all_reduce_named({k: acc[k] for k in MISMATCH_SUMS}, dev),
+                                      {k: dist.all_reduce_max(acc[k], dev) for k in MISMATCH_MAXES}))
+        return m
 
     def evaluate(self) -> float:
         """Greedy accuracy on the validation subset, sharded across ranks, graded by the task's
@@ -369,6 +396,13 @@ class Trainer:
 
     # ---------------------------------------------------------------- the stage
     def run(self) -> dict:
+        """``_run``, then the rollout engine is closed (a server engine stops), however it ends."""
+        try:
+            return self._run()
+        finally:
+            self.engine.close()
+
+    def _run(self) -> dict:
         """The GRPO loop: resume, then per iteration reseed, roll out, update, measure, gate,
         record and checkpoint; then the final model and the summary."""
         c = self.cfg

@@ -27,6 +27,7 @@ class RolloutBatch:
     ref_logp: torch.Tensor | None = None      # [B, T] reference log-probs (beta > 0 only)
     loss_rows: torch.Tensor | None = None     # [B] bool: rows the loss counts (None: all of them)
     reward_parts: torch.Tensor | None = None  # [B, K] each reward function's raw value (nan: not applicable)
+    sampler_logp: torch.Tensor | None = None  # [B, T] the engine's log-probs of its samples (None: in-process)
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -53,7 +54,7 @@ class RolloutBatch:
             [self.prompts[i] for i in idx], [self.completions[i] for i in idx],
             {k: [v[i] for i in idx] for k, v in self.columns.items()},
             pick(self.rewards), pick(self.advantages), pick(self.old_logp), pick(self.ref_logp),
-            pick(self.loss_rows), pick(self.reward_parts))
+            pick(self.loss_rows), pick(self.reward_parts), pick(self.sampler_logp))
 
     def split_groups(self, groups_per_part: int) -> list["RolloutBatch"]:
         """Consecutive parts of at most ``groups_per_part`` whole groups (micro-batches of the
@@ -83,4 +84,6 @@ class RolloutBatch:
             torch.cat([b.truncated for b in batches]), batches[0].group_size,
             sum((b.prompts for b in batches), []), sum((b.completions for b in batches), []),
             {k: sum((b.columns[k] for b in batches), []) for k in batches[0].columns},
-            cat("rewards"), cat("advantages"), loss_rows=cat("loss_rows"), reward_parts=cat("reward_parts"))
+            cat("rewards"), cat("advantages"), loss_rows=cat("loss_rows"), reward_parts=cat("reward_parts"),
+            sampler_logp=None if batches[0].sampler_logp is None else torch.cat(
+                [right(b.sampler_logp, T, 0.0) for b in batches]))

@@ -11,14 +11,14 @@ from tests.helpers import SEVENS, stage_args
 
 
 def test_an_engine_registered_in_engines_is_accepted_by_the_config(monkeypatch):
-    monkeypatch.setitem(engines.ENGINES, "vllm", lambda tok: engines.InProcessEngine(tok, "auto"))
-    cfg = GRPOConfig(runtime=dict(model="m", output_dir="o"), sampling=dict(rollout_engine="vllm"))
-    assert cfg.sampling.rollout_engine == "vllm"
+    monkeypatch.setitem(engines.ENGINES, "sglang", lambda tok, cfg: engines.InProcessEngine(tok, "auto"))
+    cfg = GRPOConfig(runtime=dict(model="m", output_dir="o"), sampling=dict(rollout_engine="sglang"))
+    assert cfg.sampling.rollout_engine == "sglang"
 
 
 def test_an_unknown_engine_is_refused_naming_the_field():
-    with pytest.raises(ConfigError, match=r"rollout_engine.*'vllm'.*auto.*decoder.*generate"):
-        GRPOConfig(runtime=dict(model="m", output_dir="o"), sampling=dict(rollout_engine="vllm"))
+    with pytest.raises(ConfigError, match=r"rollout_engine.*'sglang'.*auto.*decoder.*generate.*vllm"):
+        GRPOConfig(runtime=dict(model="m", output_dir="o"), sampling=dict(rollout_engine="sglang"))
 
 
 class RecordingEngine(engines.InProcessEngine):
@@ -34,6 +34,9 @@ class RecordingEngine(engines.InProcessEngine):
         RecordingEngine.calls.append(("generate", len(rows), group_size, sampling))
         return super().generate(rows, group_size, sampling)
 
+    def close(self) -> None:
+        RecordingEngine.calls.append(("close",))
+
 
 def test_the_trainer_samples_only_through_the_selected_engine(tiny, tmp_path, monkeypatch):
     """One engine entry is all a new engine needs: registered under a name, selected by the
@@ -41,7 +44,7 @@ def test_the_trainer_samples_only_through_the_selected_engine(tiny, tmp_path, mo
     the stage's sampling settings."""
     import grpo_core.trainer as trainer_mod
 
-    monkeypatch.setitem(engines.ENGINES, "generate", lambda tok: RecordingEngine(tok, "generate"))
+    monkeypatch.setitem(engines.ENGINES, "generate", lambda tok, cfg: RecordingEngine(tok, "generate"))
     policies = []
     real_init = trainer_mod.Trainer.__init__
 
@@ -56,7 +59,7 @@ def test_the_trainer_samples_only_through_the_selected_engine(tiny, tmp_path, mo
                     sampling=dict(group_size=4, max_new_tokens=7, temperature=0.9, rollout_engine="generate"),
                     checkpoint=dict(every=2)))
     calls = RecordingEngine.calls
-    assert [c[0] for c in calls] == ["sync", "generate"] * 2  # before each of the 2 rollouts
+    assert [c[0] for c in calls] == ["sync", "generate"] * 2 + ["close"]  # before each of the 2 rollouts; at the end
     assert all(c[1] is policies[0] for c in calls if c[0] == "sync")
     sampling = calls[1][3]
     assert (calls[1][1], calls[1][2]) == (3, 4)
