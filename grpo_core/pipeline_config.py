@@ -121,9 +121,11 @@ class EvalConfig:
     def __post_init__(self):
         require(self.gsm8k_size >= -1, "evaluate.gsm8k_size",
                  f"must be >= -1 (N items, 0 for all, -1 to skip GSM8K), got {self.gsm8k_size}")
-        for name in ("arithmetic_size", "gsm8k_max_steps", "gsm8k_bounded_size", "gsm8k_max_new_tokens",
-                     "sampled_size", "sampled_seed"):
-            require(getattr(self, name) >= 0, f"evaluate.{name}", f"must be >= 0, got {getattr(self, name)}")
+        meaning = {"arithmetic_size": "N items, 0 to skip held-out arithmetic", "gsm8k_max_steps": "0: no bounded set",
+                   "gsm8k_bounded_size": "N items, 0 for all", "gsm8k_max_new_tokens": "0 = max_new_tokens",
+                   "sampled_size": "N items, 0 for all", "sampled_seed": "any seed"}
+        for name, what in meaning.items():
+            require(getattr(self, name) >= 0, f"evaluate.{name}", f"must be >= 0 ({what}), got {getattr(self, name)}")
         for name in ("max_new_tokens", "batch_size", "sampled_k"):
             require(getattr(self, name) >= 1, f"evaluate.{name}", f"must be >= 1, got {getattr(self, name)}")
         require(math.isfinite(self.sampled_temperature) and self.sampled_temperature >= 0,
