@@ -17,8 +17,10 @@ with the decoder engine, so it times what ``InProcessEngine.generate`` does (pro
 prefill, decode, detokenizing). tokens: completion tokens up to and including the stop token.
 
 Floor: the median fp32 ``torch.mm`` rate (1024^3, the same threads) over 2 x parameters FLOP per
-token. Each repeat runs every config and every lever state in turn (A B A B ...), seeded the
-same per repeat; figures are medians with quartiles over repeats. Results:
+token, measured again just before every sampled/greedy run (the run's share of the floor is
+against that one; one-step timings use the start's). Each repeat runs every config and every
+lever state in turn (A B A B ...), seeded the same per repeat; figures are medians with
+quartiles over repeats. Results:
 ``benchmarks/results/<name>.json``. GSM8K: ``GSM8K_DIR`` (a local copy of openai/gsm8k) or the hub.
 """
 from __future__ import annotations
@@ -135,7 +137,9 @@ def measure(model, tok, args) -> list[dict]:
                     for k, value in off.items():
                         setattr(*LEVERS[k], value)
                     try:
+                        rate = mm_gflops(args.threads, reps=5)  # this machine's speed drifts: the floor per run
                         r = run_once(model, tok, pools[is_greedy][:n], G, cap, is_greedy, seed=1000 + rep)
+                        r["floor_frac"] = r["tok_s"] / (rate * 1e9 / (2 * args.n_params))
                     finally:
                         for k, value in saved.items():
                             setattr(*LEVERS[k], value)
@@ -143,7 +147,8 @@ def measure(model, tok, args) -> list[dict]:
                              state=state, repeat=rep)
                     records.append(r)
                     print(f"  rep {rep} {r['mode']:7s} {n}x{G} cap {cap} {state:18s} {r['tokens']:6d} tok "
-                          f"{r['s']:7.1f} s {r['tok_s']:7.1f} tok/s", flush=True)
+                          f"{r['s']:7.1f} s {r['tok_s']:7.1f} tok/s ({100 * r['floor_frac']:.0f}% of floor)",
+                          flush=True)
     return records
 
 
@@ -197,7 +202,8 @@ def step_times(model, tok, args) -> list[dict]:
 
 
 def summarize(records: list[dict], floor_tok_s: float) -> list[dict]:
-    """Per (mode, prompts, G, cap, state): tokens/s [q1, median, q3] and the median's share of the floor."""
+    """Per (mode, prompts, G, cap, state): tokens/s [q1, median, q3] and its share of the floor (the
+    median of the runs' shares of the floor measured just before each, where runs carry one)."""
     keys = []
     for r in records:
         key = (r["mode"], r["prompts"], r["G"], r["cap"], r["state"])
@@ -209,7 +215,8 @@ def summarize(records: list[dict], floor_tok_s: float) -> list[dict]:
                 if (r["mode"], r["prompts"], r["G"], r["cap"], r["state"]) == (mode, n, G, cap, state)]
         tok_s = quartiles([r["tok_s"] for r in runs])
         out.append({"mode": mode, "prompts": n, "G": G, "rows": n * G, "cap": cap, "state": state,
-                    "tok_s_q1_med_q3": [round(x, 1) for x in tok_s], "floor_frac": round(tok_s[1] / floor_tok_s, 3),
+                    "tok_s_q1_med_q3": [round(x, 1) for x in tok_s], "floor_frac": round(statistics.median(
+                        r.get("floor_frac", r["tok_s"] / floor_tok_s) for r in runs), 3),
                     "tokens_median": statistics.median(r["tokens"] for r in runs),
                     "steps_median": statistics.median(r["steps"] for r in runs),
                     "capped_median": statistics.median(r["capped"] for r in runs), "runs": len(runs)})
@@ -235,7 +242,7 @@ def main(argv=None) -> dict:
     args.levers = [x for x in args.levers.split(",") if x]
     rate = mm_gflops(args.threads)
     model, tok = load_model(args.model)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = args.n_params = sum(p.numel() for p in model.parameters())
     floor = rate * 1e9 / (2 * n_params)
     print(f"fp32 mm {rate:.1f} GFLOP/s, {n_params / 1e6:.1f}M params: floor {floor:.0f} tok/s "
           f"({args.threads} threads)", flush=True)
