@@ -19,6 +19,11 @@ from grpo_core.config import SAMPLERS
 from grpo_core.loops import LoopRule, LoopTracker
 from grpo_core.lora import is_linear_map, linear_weights
 
+SHARED_PREFIX_ATTENTION = False
+"""G > 1: rows attend their prompt's K/V held once per prompt (else each row holds a copy). Off by
+default: it holds less memory (the prompt's K/V once, not G times) and is speed-neutral on CPU
+(benchmarks/NOTES.md), but its log-sum-exp merge rounds differently from the copied layout, so a
+seeded run's samples can differ from the measured default run's; turn it on for large G."""
 FAST_DECODE_MODEL_TYPES = ("llama", "qwen2")  # pre-norm RMSNorm, rotary, q/k/v/o attention, SiLU-gated MLP
 LINEAR_ATTN, LINEAR_MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
 
@@ -136,7 +141,9 @@ class _Stepper:
     K/V live in preallocated buffers of P + T slots per row: keys transposed [B, nkv, D, P+T],
     values [B, nkv, P+T, D]. Step t writes slot P + t and attends over slots [0, P + t] only
     (unwritten slots are never read, so the buffers need no clearing), with an additive bias
-    [B, nkv, 1, P+T] that is -inf at left padding, written once. With the default rotary
+    [B, nkv, 1, P+T] that is -inf at left padding, written once. With G > 1 and
+    ``SHARED_PREFIX_ATTENTION``, the prompts' K/V are held once per prompt instead and each row's
+    buffers hold its T completion slots only (``_shared_prefix_attention``). With the default rotary
     embedding, cos/sin of every row's T positions are computed once [B, T, D]; scaled variants
     (whose frequencies may depend on the positions seen) get the model's own cos/sin each step.
     """
@@ -153,9 +160,22 @@ class _Stepper:
                         lin(layer.mlp.gate_proj), lin(layer.mlp.up_proj), lin(layer.mlp.down_proj))
                        for layer in self.inner.layers]
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
-        G, T, (N, P) = group_size, max_new_tokens, mask.shape
-        B, self.P = N * G, P
-        self.keys, self.values = [], []
+        G, T = group_size, max_new_tokens
+        self.shared = SHARED_PREFIX_ATTENTION and G > 1
+        if self.shared:
+            self._init_shared_prefix(cache, mask, G, T)
+        else:
+            self._init_copied_prefix(cache, mask, G, T)
+        last = mask.sum(-1).repeat_interleave(G)[:, None] - 1                  # [B, 1] last prompt position
+        self.positions = last + torch.arange(1, T + 1, device=last.device)     # [B, T] of the new tokens
+        self.rotations = None
+        if getattr(self.inner.rotary_emb, "rope_type", "default") == "default":
+            self.rotations = self._cos_sin(self.positions)                     # [B, T, D] each
+
+    def _init_copied_prefix(self, cache, mask, G: int, T: int) -> None:
+        """Every row's own buffers of P + T slots, its prompt's K/V copied into the first P."""
+        P, B = mask.shape[1], mask.shape[0] * G
+        self.P, self.keys, self.values = P, [], []
         for layer in cache.layers:
             # keys in the values' dtype: under autocast transformers rotates keys in float32 (values
             # stay bf16) and attention rounds them to bf16 anyway; a float32 buffer was re-cast whole
@@ -168,11 +188,45 @@ class _Stepper:
         nkv = self.keys[0].shape[1]
         self.bias = self.keys[0].new_zeros(B, nkv, 1, P + T)                   # [B, nkv, 1, P+T]
         self.bias[..., :P].masked_fill_(~mask.bool().repeat_interleave(G, 0)[:, None, None], float("-inf"))
-        last = mask.sum(-1).repeat_interleave(G)[:, None] - 1                  # [B, 1] last prompt position
-        self.positions = last + torch.arange(1, T + 1, device=last.device)     # [B, T] of the new tokens
-        self.rotations = None
-        if getattr(self.inner.rotary_emb, "rope_type", "default") == "default":
-            self.rotations = self._cos_sin(self.positions)                     # [B, T, D] each
+
+    def _init_shared_prefix(self, cache, mask, G: int, T: int) -> None:
+        """The prompt's K/V once per prompt (attended by its G rows as one GEMM), and every row's
+        own buffers of T slots for its completion; ``slots`` [b]: each row's index in N x G."""
+        (N, P), B = mask.shape, mask.shape[0] * G
+        self.P, self.N, self.G, self.keys, self.values = 0, N, G, [], []
+        self.prefix_keys = [layer.keys.to(layer.values.dtype).transpose(-1, -2).flatten(0, 1).contiguous()
+                            for layer in cache.layers]                         # [N*nkv, D, P]
+        self.prefix_values = [layer.values.flatten(0, 1).contiguous() for layer in cache.layers]  # [N*nkv, P, D]
+        for layer in cache.layers:
+            k, v = layer.keys, layer.values                                  # [N, nkv, P, D]
+            self.keys.append(v.new_empty(B, k.shape[1], k.shape[-1], T))       # [B, nkv, D, T]
+            self.values.append(v.new_empty(B, v.shape[1], T, v.shape[-1]))     # [B, nkv, T, D]
+        nkv = self.keys[0].shape[1]
+        bias = self.keys[0].new_zeros(N, nkv, 1, P)
+        self.prefix_bias = bias.masked_fill_(~mask.bool()[:, None, None], float("-inf")).flatten(0, 1)  # [N*nkv, 1, P]
+        self.slots = torch.arange(B, device=mask.device)                        # [b]
+
+    def _shared_prefix_attention(self, q, layer: int, n: int):
+        """Attention of q [b, nkv, rep, D] over the shared prompt and the row's own slots [0, n]:
+        the prompt part per prompt as [N*nkv, G*rep, P] GEMMs, merged with the own part by the
+        log-sum-exp rule (softmax over the concatenated scores, up to summation order)."""
+        b, nkv, rep, D = q.shape
+        N, G = self.N, self.G
+        grid = q if b == N * G else q.new_zeros(N * G, nkv, rep, D).index_copy_(0, self.slots, q)
+        grid = grid.view(N, G, nkv, rep, D).transpose(1, 2).reshape(N * nkv, G * rep, D)
+        s1 = torch.baddbmm(self.prefix_bias, grid, self.prefix_keys[layer], alpha=self.scaling)  # [N*nkv, G*rep, P]
+        m1 = s1.amax(-1, keepdim=True)
+        e1 = torch.exp(s1 - m1)
+        o1, d1 = torch.bmm(e1, self.prefix_values[layer]), e1.sum(-1, keepdim=True)
+        back = lambda x: x.view(N, nkv, G, rep, -1).transpose(1, 2).reshape(N * G, nkv, rep, -1)[self.slots]  # noqa: E731
+        o1, d1, m1 = back(o1), back(d1), back(m1)                                # [b, nkv, rep, *]
+        s2 = torch.bmm(q.reshape(b * nkv, rep, D), self.keys[layer][..., :n + 1].flatten(0, 1))
+        s2 = (s2 * self.scaling).view(b, nkv, rep, n + 1)                        # [b, nkv, rep, n+1]
+        m = torch.maximum(m1, s2.amax(-1, keepdim=True))
+        e2 = torch.exp(s2 - m)
+        w1 = torch.exp(m1 - m)
+        o2 = torch.bmm(e2.view(b * nkv, rep, n + 1), self.values[layer][:, :, :n + 1].flatten(0, 1))
+        return (o1 * w1 + o2.view(b, nkv, rep, D)) / (d1 * w1 + e2.sum(-1, keepdim=True))  # [b, nkv, rep, D]
 
     def _cos_sin(self, positions):
         """cos and sign-flipped sin [B, S, D] at ``positions`` [B, S], from the model's rotary module,
@@ -184,7 +238,11 @@ class _Stepper:
     def keep(self, rows: torch.Tensor) -> None:
         """Drop every row not in ``rows`` [b] (finished ones) from the state."""
         self.keys, self.values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
-        self.bias, self.positions = self.bias[rows], self.positions[rows]
+        self.positions = self.positions[rows]
+        if self.shared:
+            self.slots = self.slots[rows]
+        else:
+            self.bias = self.bias[rows]
         if self.rotations is not None:
             self.rotations = tuple(r[rows] for r in self.rotations)
 
@@ -197,17 +255,20 @@ class _Stepper:
             cos, sin = self.rotations[0][:, t:t + 1], self.rotations[1][:, t:t + 1]
         half = D // 2  # transformers' x * cos + rotate_half(x) * sin == x * cos + roll(x, D/2) * signed sin
         h = inner.embed_tokens(tokens)                                          # [B, H]
-        for (ln1, eps1, q_w, k_w, v_w, o_w, ln2, eps2, g_w, u_w, d_w), kbuf, vbuf in zip(
-                self.layers, self.keys, self.values):
+        for i, ((ln1, eps1, q_w, k_w, v_w, o_w, ln2, eps2, g_w, u_w, d_w), kbuf, vbuf) in enumerate(zip(
+                self.layers, self.keys, self.values)):
             nkv = kbuf.shape[1]
             x = _rms_norm(h, ln1, eps1)
             q, k = F.linear(x, *q_w).view(B, -1, D), F.linear(x, *k_w).view(B, nkv, D)
             q, k = q * cos + q.roll(half, -1) * sin, k * cos + k.roll(half, -1) * sin
             kbuf[:, :, :, n] = k
             vbuf[:, :, n] = F.linear(x, *v_w).view(B, nkv, D)
-            o = _single_query_attention(q.reshape(B * nkv, -1, D),  # GQA: a KV head's query heads as rows
-                                        kbuf[..., :n + 1].flatten(0, 1), vbuf[:, :, :n + 1].flatten(0, 1),
-                                        self.bias[..., :n + 1].flatten(0, 1), self.scaling)
+            if self.shared:
+                o = self._shared_prefix_attention(q.view(B, nkv, -1, D), i, n)
+            else:
+                o = _single_query_attention(q.reshape(B * nkv, -1, D),  # GQA: a KV head's query heads as rows
+                                            kbuf[..., :n + 1].flatten(0, 1), vbuf[:, :, :n + 1].flatten(0, 1),
+                                            self.bias[..., :n + 1].flatten(0, 1), self.scaling)
             h = h + F.linear(o.view(B, -1), *o_w)
             x = _rms_norm(h, ln2, eps2)
             h = h + F.linear(F.silu(F.linear(x, *g_w)) * F.linear(x, *u_w), *d_w)

@@ -201,3 +201,22 @@ def test_saved_activations_see_the_whole_logits_only_without_head_chunks(monkeyp
         logp.sum().backward()
         saved[chunk] = counter.largest
     assert 0 < saved[4] and saved[0] - saved[4] >= (B * T - 4) * V * 4, saved
+
+
+def test_decode_benchmark_writes_tokens_per_second_for_every_shape_and_lever_state(tmp_path):
+    """bench_decode at a tiny size: sampled, greedy and single-step shapes, each with the lever on
+    and off, summarized against a positive floor, in a small JSON file."""
+    import bench_decode
+
+    if not os.environ.get("GSM8K_DIR"):
+        pytest.fail("bench_decode reads GSM8K prompts: set GSM8K_DIR to a local copy of openai/gsm8k")
+    report = bench_decode.main(["--model", "tiny", "--sampled", "2x2", "--greedy", "3", "--caps", "6",
+                                "--step-shapes", "2x2", "--step-at", "3", "--step-reps", "1", "--repeats", "1",
+                                "--levers", "shared_prefix", "--out-dir", str(tmp_path), "--name", "smoke"])
+    seen = {(r["mode"], r["rows"], r["state"]) for r in report["summary"]}
+    assert seen == {(m, n, s) for m, n in (("sampled", 4), ("greedy", 3), ("step", 4))
+                    for s in ("all", "no_shared_prefix")}
+    assert report["floor_tok_s"] > 0 and all(r["tok_s_q1_med_q3"][1] > 0 for r in report["summary"])
+    assert all(0 < r["tokens"] <= r["rows"] * r["cap"] for r in report["runs"] if r["mode"] != "step")
+    written = tmp_path / "smoke.json"
+    assert json.loads(written.read_text())["summary"] == report["summary"] and written.stat().st_size < 20_000

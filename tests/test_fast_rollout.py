@@ -318,3 +318,31 @@ def test_generate_ignores_the_checkpoints_generation_config(greedy):
     out = _generate(model, ids, mask, 2, 12, tok.eos_token_id, tok.pad_token_id, greedy=greedy, **kw)
     assert torch.equal(out, plain)
     assert {k: getattr(model.generation_config, k) for k in extras} == extras
+
+
+@pytest.mark.parametrize("arch,kv", [("llama", None), ("qwen2", 2)], ids=["llama", "qwen2-gqa"])
+def test_shared_prefix_attention_gives_generates_tokens_with_and_without_compaction(monkeypatch, arch, kv):
+    """Rows attending their prompt's K/V held once per prompt (SHARED_PREFIX_ATTENTION) decode
+    exactly what generate does, also after finished rows leave the batch; and with the lever off
+    (each row holds a copy), the same tokens under seeded multinomial sampling."""
+    from grpo_core import decode
+
+    model, tok = _model(arch, kv)
+    ids, mask = _prompts(tok)
+    free = sample_shared_prefix(model, ids, mask, 1, max_new_tokens=12, eos_id=-1, pad_id=0, greedy=True)
+    eos = int(free[1, 3])
+    ref = _generate(model, ids, mask, 3, 12, eos, tok.pad_token_id, temperature=1.0, top_p=1.0, top_k=0, greedy=True)
+    calls, real = [], decode._Stepper._shared_prefix_attention
+    monkeypatch.setattr(decode._Stepper, "_shared_prefix_attention", lambda *a: calls.append(1) or real(*a))
+    for compact in (0.0, 0.99):
+        fast = sample_shared_prefix(model, ids, mask, 3, max_new_tokens=12, eos_id=eos, pad_id=tok.pad_token_id,
+                                    greedy=True, compact_below=compact)
+        assert torch.equal(fast, ref), compact
+    assert calls, "the shared-prefix path ran"
+    sampled = {}
+    for shared in (True, False):
+        monkeypatch.setattr(decode, "SHARED_PREFIX_ATTENTION", shared)
+        torch.manual_seed(3)
+        sampled[shared] = sample_shared_prefix(model, ids, mask, 4, max_new_tokens=12, eos_id=eos,
+                                               pad_id=tok.pad_token_id, sampler="multinomial", compact_below=0.9)
+    assert torch.equal(sampled[True], sampled[False])
