@@ -250,11 +250,10 @@ def register(cfg: PipelineConfig, ctx: RunContext, final: dict, datasets: dict, 
 
 def version_description(decision: dict, final: dict, start: dict | None) -> str:
     """One line for the registry: the decision and on which items, then every evaluated set's
-    change against the start model on the same items (greedy, and sampled mean@k), with its p."""
+    change against the start model on the same items (greedy, and sampled mean@k), with its p
+    (``final``'s ``vs_start`` / ``sampled_vs_start``, from ``evaluation_step.paired_with_start``)."""
     head = (f"{decision['decision']} on {decision.get('eval_set')} ({decision.get('compared_items')} items; "
             f"{decision.get('reason')})")
-    if start is None:
-        return head
     parts = []
     for name, vs in final.get("vs_start", {}).items():
         before, after = start["summary"][name], final["summary"][name]
@@ -264,7 +263,9 @@ def version_description(decision: dict, final: dict, start: dict | None) -> str:
         before, after = start["sampled_summary"][name], final["sampled_summary"][name]
         parts.append(f"{name} mean@{after['k']} {before['mean_at_k']:.3f} -> {after['mean_at_k']:.3f} "
                      f"(p={vs['p_value']:.2g}, {after['n']} items)")
-    return f"{head}. Against the start model ({start['stage']}): " + "; ".join(parts)
+    if start is None or not parts:
+        return head
+    return f"{head}. Against the start model ({start.get('stage', 'sft')}): " + "; ".join(parts)
 
 
 def replay_tracking(tracking_uri: str, summaries: list[dict]) -> int:

@@ -4,6 +4,7 @@ import pytest
 from grpo_core.evaluate import compare_to_start, summarize
 from grpo_core.evaluation_step import paired_with_start, summary_table
 from grpo_core.pipeline_config import EvalConfig
+from grpo_core.sampled_eval import summarize_sampled
 
 
 def _items(correct, truncated=None):
@@ -84,3 +85,22 @@ def test_the_cli_evaluates_any_registered_task_with_its_params(tiny, capsys):
     with pytest.raises(SystemExit):
         main(["--model", str(tiny), "--set", "nonexistent_test"])
     assert "gsm8k_test" in capsys.readouterr().err  # the choices named come from tasks.registry()
+
+
+def test_the_registered_version_says_what_it_beat_by_how_much_on_which_items():
+    from grpo_core.pipeline import version_description
+
+    def result(stage, right):
+        it = {"gsm8k_test_le2": [{"item_id": i, "correct": i < right} for i in range(10)]}
+        sampled = {"gsm8k_test_le2": [{"item_id": i, "k": 2, "correct_k": int(i < right)} for i in range(10)]}
+        return {"stage": stage, "items": it, "sampled": sampled,
+                "summary": {k: summarize(v) for k, v in it.items()},
+                "sampled_summary": {k: summarize_sampled(v) for k, v in sampled.items()}}
+
+    start, final = paired_with_start([result("sft", 1), result("gsm8k", 6)])
+    decision = {"decision": "promoted", "eval_set": "gsm8k_test_le2", "compared_items": 10, "reason": "p=0.06"}
+    line = version_description(decision, final, start)
+    assert "\n" not in line and line.startswith("promoted on gsm8k_test_le2 (10 items; p=0.06)")
+    assert "gsm8k_test_le2 greedy 0.100 -> 0.600 (p=0.062, 10 items)" in line
+    assert "gsm8k_test_le2 mean@2 0.050 -> 0.300 (p=0.062, 10 items)" in line
+    assert version_description(decision, {"items": {}}, None) == "promoted on gsm8k_test_le2 (10 items; p=0.06)"
