@@ -9,6 +9,7 @@ sensitive than comparing two accuracies.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import torch
@@ -30,25 +31,37 @@ def greedy_results(model, tok, rows: list[dict], *, max_new_tokens: int, batch_s
     from grpo_core import engines
     from grpo_core.loops import digit_token_ids, ending, looped
 
-    engine = engine or engines.build("auto", tok)
     sampling = engines.Sampling(max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
                                 system_prompt=system_prompt, greedy=True, stop_loops=stop_loops)
+    digits, out = digit_token_ids(tok), []
+    with synced_engine(model, tok, engine) as engine:
+        for i in range(0, len(rows), batch_size):
+            chunk = rows[i:i + batch_size]
+            batch = engine.generate(chunk, 1, sampling)
+            answer_tokens = batch.completion_mask.sum(-1) - (~batch.truncated).long()  # before the stop token
+            loops = looped(batch.completion_ids, answer_tokens).tolist()
+            for j, (row, text, loop) in enumerate(zip(chunk, batch.completions, loops)):
+                n = int(answer_tokens[j])
+                how = ending(batch.completion_ids[j, :n], n >= max_new_tokens, loop, digits)
+                out.append({"item_id": row["id"], "correct": bool(grade(text, row["gold"])), "gold": row["gold"],
+                            "completion": text, **how, **({"steps": row["steps"]} if "steps" in row else {})})
+    return out
+
+
+@contextlib.contextmanager
+def synced_engine(model, tok, engine=None):
+    """``engine`` (default: ``engines.build("auto", tok)``) synced to ``model`` in eval mode for
+    the block; the model's train/eval mode comes back after it. The evaluations' one setup."""
+    from grpo_core import engines
+
+    engine = engine or engines.build("auto", tok)
     was_training = model.training
     model.eval()
     engine.sync_weights(model)
-    digits, out = digit_token_ids(tok), []
-    for i in range(0, len(rows), batch_size):
-        chunk = rows[i:i + batch_size]
-        batch = engine.generate(chunk, 1, sampling)
-        answer_tokens = batch.completion_mask.sum(-1) - (~batch.truncated).long()  # before the stop token
-        loops = looped(batch.completion_ids, answer_tokens).tolist()
-        for j, (row, text, loop) in enumerate(zip(chunk, batch.completions, loops)):
-            n = int(answer_tokens[j])
-            how = ending(batch.completion_ids[j, :n], n >= max_new_tokens, loop, digits)
-            out.append({"item_id": row["id"], "correct": bool(grade(text, row["gold"])), "gold": row["gold"],
-                        "completion": text, **how, **({"steps": row["steps"]} if "steps" in row else {})})
-    model.train(was_training)
-    return out
+    try:
+        yield engine
+    finally:
+        model.train(was_training)
 
 
 STEP_BUCKETS = (("<=2", 0, 2), ("3", 3, 3), ("4", 4, 4), ("5+", 5, 10**9))

@@ -90,24 +90,21 @@ def sampled_results(model, tok, rows: list[dict], *, k: int, temperature: float,
 
     from grpo_core import engines
     from grpo_core.answers import is_correct
+    from grpo_core.evaluate import synced_engine
 
     grade = grade or is_correct
-    engine = engine or engines.build("auto", tok)
     sampling = engines.Sampling(temperature=temperature, max_new_tokens=max_new_tokens,
                                 max_prompt_tokens=max_prompt_tokens, system_prompt=system_prompt, stop_loops=True)
-    was_training = model.training
-    model.eval()
-    engine.sync_weights(model)
-    torch.manual_seed(seed)
     out, per_call = [], max(1, batch_size // k)
-    for i in range(0, len(rows), per_call):
-        chunk = rows[i:i + per_call]
-        batch = engine.generate(chunk, k, sampling)
-        right = [bool(grade(text, gold)) for text, gold in zip(batch.completions, batch.columns["gold"])]
-        lengths = batch.completion_mask.sum(-1).tolist()
-        for j, row in enumerate(chunk):
-            out.append({"item_id": row["id"], "k": k, "correct_k": sum(right[j * k:(j + 1) * k]),
-                        "mean_tokens": sum(lengths[j * k:(j + 1) * k]) / k,
-                        **({"steps": row["steps"]} if "steps" in row else {})})
-    model.train(was_training)
+    with synced_engine(model, tok, engine) as engine:
+        torch.manual_seed(seed)
+        for i in range(0, len(rows), per_call):
+            chunk = rows[i:i + per_call]
+            batch = engine.generate(chunk, k, sampling)
+            right = [bool(grade(text, gold)) for text, gold in zip(batch.completions, batch.columns["gold"])]
+            lengths = batch.completion_mask.sum(-1).tolist()
+            for j, row in enumerate(chunk):
+                out.append({"item_id": row["id"], "k": k, "correct_k": sum(right[j * k:(j + 1) * k]),
+                            "mean_tokens": sum(lengths[j * k:(j + 1) * k]) / k,
+                            **({"steps": row["steps"]} if "steps" in row else {})})
     return out
