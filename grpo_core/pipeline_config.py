@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from grpo_core.config import TINY_ARCHITECTURES, GRPOConfig
 from grpo_core.config_checks import ConfigError, check_arithmetic, check_choice, from_dict, require
 from grpo_core.stages import GRPO_STAGES
-from grpo_core.tasks import dataset_name
+from grpo_core.tasks import dataset_name, parse_dataset_name
 
 TEST_SETS = tuple(dataset_name(s.task, "test") for s in GRPO_STAGES)  # what register.primary may name
 
@@ -175,7 +175,12 @@ class RegisterConfig:
 
     def __post_init__(self):
         check_choice(self.rule, ("significant", "better", "always"), "register.rule")
-        if not self.primary.startswith(tuple(f"{n}_le" for n in TEST_SETS)):
+        try:  # a stage task's test split, bounded (gsm8k_test_le2) or not
+            named, split, _ = parse_dataset_name(self.primary)
+            ok = split == "test" and dataset_name(named.name, split) in TEST_SETS
+        except KeyError:
+            ok = False
+        if not ok:
             check_choice(self.primary, TEST_SETS, "register.primary")
         require(math.isfinite(self.alpha) and 0 < self.alpha < 1, "register.alpha",
                  f"must be a significance level strictly between 0 and 1 (e.g. 0.05), got {self.alpha}")
@@ -323,7 +328,7 @@ class PipelineConfig:
         the last GRPO stage training on the set's task."""
         if self.evaluate.sampled_temperature:
             return self.evaluate.sampled_temperature
-        task = set_name.split("_")[0]
+        task = parse_dataset_name(set_name)[0].name
         trained = [s.name for s in GRPO_STAGES if s.task == task] or [GRPO_STAGES[-1].name]
         return self.stage(trained[-1], model="-").sampling.temperature
 
