@@ -13,8 +13,8 @@ import statistics
 import time
 from pathlib import Path
 
-from grpo_core.answers import format_ok
-from grpo_core.rewards import gsm8k_reward
+from grpo_core.data.answers import format_ok
+from grpo_core.data.rewards import gsm8k_reward
 from tests.test_rewards import ADVERSARIAL
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_answers.json"

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
-from grpo_core import decode  # noqa: E402
+from grpo_core.rollout import decode  # noqa: E402
 
 LEVERS = {"shared_prefix": (decode, "SHARED_PREFIX_ATTENTION")}
 """Lever name -> (module, boolean attribute) that ``--levers`` switches off for the B runs."""
@@ -59,10 +59,9 @@ def mm_gflops(threads: int, n: int = 1024, reps: int = 15) -> float:
 
 def gsm8k_rows(split: str, n: int, max_steps: int | None) -> list[dict]:
     """The first ``n`` GSM8K rows of ``split`` with at most ``max_steps`` calculator annotations."""
-    from grpo_core.config import gsm8k_source
-    from grpo_core.tasks import gsm8k
+    from grpo_core.data.tasks import gsm8k
 
-    rows = gsm8k.rows(split, gsm8k_source("openai/gsm8k"))
+    rows = gsm8k.rows(split, gsm8k.resolve_source("openai/gsm8k"))
     rows = [r for r in rows if max_steps is None or r["think"].count("<<") <= max_steps]
     if len(rows) < n:
         raise ValueError(f"--sampled/--greedy ask for {n} GSM8K {split} rows, only {len(rows)} exist")
@@ -71,7 +70,7 @@ def gsm8k_rows(split: str, n: int, max_steps: int | None) -> list[dict]:
 
 def load_model(name: str):
     """The policy (``models.load_policy``) or, for ``tiny``, a random-init Llama (smoke runs)."""
-    from grpo_core.models import build_tiny, load_policy
+    from grpo_core.model.loading import build_tiny, load_policy
 
     model, tok = build_tiny("llama", hidden=32, layers=2, heads=4) if name == "tiny" else load_policy(name)
     return model.eval(), tok
@@ -90,7 +89,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def run_once(model, tok, rows: list[dict], G: int, cap: int, greedy: bool, seed: int) -> dict:
     """One ``generate_rollouts`` call: wall seconds, completion tokens, tokens/s."""
-    from grpo_core.rollout import generate_rollouts
+    from grpo_core.rollout.generate import generate_rollouts
 
     torch.manual_seed(seed)
     t0 = time.perf_counter()
@@ -155,7 +154,7 @@ def measure(model, tok, args) -> list[dict]:
 def _stepper_with(off: dict, model, cache, mask, G: int, T: int):
     """A ``decode._Stepper`` built with the levers in ``off`` switched off, its buffers zeroed
     (unwritten slots hold garbage, denormals or NaN: time real numbers), warmed by one step."""
-    from grpo_core.decode import _Stepper
+    from grpo_core.rollout.decode import _Stepper
 
     for k, value in off.items():
         setattr(*LEVERS[k], value)
@@ -175,8 +174,8 @@ def step_times(model, tok, args) -> list[dict]:
     row count and lever state, timed ``--step-reps`` times per repeat, the states alternating
     step by step (A B A B): no sampling and
     no thinning, so this is the step's own cost per token at that batch."""
-    from grpo_core.decode import no_grad_for_sampling, prefill
-    from grpo_core.rollout import encode_prompts
+    from grpo_core.rollout.decode import no_grad_for_sampling, prefill
+    from grpo_core.rollout.generate import encode_prompts
 
     shapes, t = parse_shapes(args.step_shapes), args.step_at
     pool = gsm8k_rows("train", max(n for n, _ in shapes), args.max_steps)

@@ -25,7 +25,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _evaluate_cmd(model: str, size: int, cap: int) -> list[str]:
-    return [sys.executable, "-m", "grpo_core.evaluate", "--model", model, "--set", "arithmetic_test",
+    return [sys.executable, "-m", "grpo_core.evaluation", "--model", model, "--set", "arithmetic_test",
             "--size", str(size), "--max-new-tokens", str(cap), "--arithmetic-max", "30"]
 
 
@@ -44,7 +44,7 @@ def timed(commands: list[list[str]], together: bool) -> float:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct", help="what --model of grpo_core.evaluate takes")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="what --model of grpo_core.evaluation.greedy takes")
     p.add_argument("--copies", type=int, default=3, help="evaluations (the flow evaluates 3 checkpoints)")
     p.add_argument("--size", type=int, default=100, help="held-out arithmetic items per evaluation")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -38,8 +38,7 @@ def worker(args) -> None:
     from bench_grpo import run_ours
     from bench_memory import SHAPE
 
-    from grpo_core import sharding
-
+    from grpo_core.policy import sharding
     torch.set_num_threads(1)
     gather_s = []
     real = sharding.gathered
@@ -52,9 +51,9 @@ def worker(args) -> None:
             yield
 
     sharding.gathered = timed_gather
-    overrides = {"optim": {"lr": 1e-5}, "reward_fn": "grpo_core.rewards:gsm8k_correctness", **SIDES[args.worker]}
+    overrides = {"optim": {"lr": 1e-5}, "reward_fn": "grpo_core.data.rewards:gsm8k_correctness", **SIDES[args.worker]}
     holder = {}
-    import grpo_core.trainer as trainer_module
+    import grpo_core.train.trainer as trainer_module
     real_update = trainer_module.Trainer.update
 
     def update(self, batch):  # the rank's holdings right after an optimizer step
@@ -76,8 +75,7 @@ def worker(args) -> None:
     if res["rank"] == 0:
         print("RESULT " + json.dumps({"side": args.worker, "settings": SIDES[args.worker], "ranks": gathered}),
               flush=True)
-    from grpo_core import dist
-
+    from grpo_core.policy import dist
     dist.cleanup()
     dist.end_worker_process()
 
@@ -113,7 +111,7 @@ def main(argv=None) -> list[dict]:
     if args.source == "tiny":
         import tempfile
 
-        from grpo_core.models import build_tiny, save_policy
+        from grpo_core.model.loading import build_tiny, save_policy
 
         directory = str(save_policy(*build_tiny("llama", 64, 2, 4), Path(tempfile.mkdtemp()) / "tiny"))
     else:

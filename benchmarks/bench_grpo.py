@@ -21,7 +21,7 @@ prompts rendered by the model's chat template, the same reward, beta 0.04 (k3 KL
 forward), dapo loss, group-std advantages (eps 1e-4), clip 0.2, one update per rollout batch,
 AdamW constant lr, grad-norm clip 1.0, temperature 1.0, top_k 0, top_p 1.0, stop at EOS or
 max_new_tokens, fp32. Toy configs: a random-init Llama + character tokenizer, reward
-``grpo_core.rewards.target_char_fraction``, lr 1e-4. The smollm2 configs: the real
+``grpo_core.data.rewards.target_char_fraction``, lr 1e-4. The smollm2 configs: the real
 SmolLM2-135M-Instruct, reward ``gsm8k_correctness``, lr 1e-5 (``SMOLLM2``).
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # grpo_core, lockstep, trl
 from lockstep import ITER, READY, RESULT, compare, cpu_set, pin_cpus, prompts_digest, run_lockstep, same_prompts  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-REWARD_FN = "grpo_core.rewards:target_char_fraction"
+REWARD_FN = "grpo_core.data.rewards:target_char_fraction"
 # name -> model and rollout shape; "ref" is the issue's reference config
 CONFIGS = {
     "ref": dict(hidden=64, layers=2, heads=4, group_size=8, prompts=8, max_new_tokens=32),
@@ -55,7 +55,7 @@ CONFIGS = {
 # rate). Ours runs with micro_batch_groups = 1 (one group per backward, the same gradient): with our
 # whole-batch backward the two workers would not fit this 24 GB machine at once (peak RSS per side:
 # benchmarks/NOTES.md). Run these with --threads 2.
-SMOLLM2 = dict(model="smollm2-135m-instruct", reward="grpo_core.rewards:gsm8k_correctness",
+SMOLLM2 = dict(model="smollm2-135m-instruct", reward="grpo_core.data.rewards:gsm8k_correctness",
                common=dict(lr=1e-5), ours={"execution": {"micro_batch_groups": 1}})
 # At the larger shapes TRL's whole-batch step alone outgrows 24 GB (killed at 20.6 GB at 128 tokens),
 # so both sides backward one group at a time (TRL: gradient accumulation over one-group micro-batches,
@@ -91,8 +91,8 @@ def summarize(per_iter: list[dict], warmup: int) -> dict:
 
 def build_model_dir(spec: dict, path: Path) -> Path:
     """A random tiny model saved to ``path``, or (``spec["model"]``) a real one's converted dir."""
-    from grpo_core.gguf_source import convert_gguf
-    from grpo_core.models import build_tiny, save_policy
+    from grpo_core.io.gguf import convert_gguf
+    from grpo_core.model.loading import build_tiny, save_policy
 
     if "model" in spec:
         return Path(convert_gguf(spec["model"])["uri"])
@@ -130,8 +130,8 @@ def parse_side(name: str) -> tuple[str, list[str], bool]:
 
 
 def disable_levers(names: list[str]) -> None:
-    from grpo_core import decode, scoring
-
+    from grpo_core.policy import scoring
+    from grpo_core.rollout import decode
     for name in names:
         if name not in LEVERS:
             raise SystemExit(f"unknown lever {name!r}; known: {sorted(LEVERS)}")
@@ -178,11 +178,11 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
     ``ours`` fields apply first."""
     import torch
 
-    from grpo_core import dist
-    from grpo_core.config import GRPOConfig
-    from grpo_core.pipeline_config import deep_merge
-    from grpo_core.rollout import render_prompts
-    from grpo_core.trainer import TIMED_PHASES, Trainer, iteration_seed
+    from grpo_core.config.pipeline import deep_merge
+    from grpo_core.config.stage import GRPOConfig
+    from grpo_core.policy import dist
+    from grpo_core.rollout.generate import render_prompts
+    from grpo_core.train.trainer import TIMED_PHASES, Trainer, iteration_seed
 
     out_dir = tempfile.mkdtemp(prefix="bench_ours_")
     settings = deep_merge(spec.get("ours", {}), dict(overrides or {}))

@@ -43,7 +43,7 @@ VARIANTS = {
 
 
 def stage_config(variant: str, model: str, out: Path, iterations: int | None) -> dict:
-    from grpo_core.pipeline_config import PipelineConfig, deep_merge, parse_config_text
+    from grpo_core.config.pipeline import PipelineConfig, deep_merge, parse_config_text
 
     pipe = PipelineConfig.from_dict(parse_config_text((ROOT / "flows/configs/local.toml").read_text()))
     changes = {**VARIANTS[variant], **({"iterations": iterations} if iterations else {})}
@@ -75,10 +75,10 @@ def train(variant: str, model: str, work: Path, iterations: int | None, threads:
 def evaluate(model_dir: str) -> list[dict]:
     import torch
 
-    from grpo_core import tasks
-    from grpo_core.evaluate import eval_sets, greedy_results
-    from grpo_core.models import load_policy
-    from grpo_core.pipeline_config import PipelineConfig, parse_config_text
+    from grpo_core.config.pipeline import PipelineConfig, parse_config_text
+    from grpo_core.data import tasks
+    from grpo_core.evaluation.greedy import eval_sets, greedy_results
+    from grpo_core.model.loading import load_policy
 
     pipe = PipelineConfig.from_dict(parse_config_text((ROOT / "flows/configs/local.toml").read_text()))
     arithmetic_only = dataclasses.replace(pipe.evaluate, gsm8k_size=-1)
@@ -103,8 +103,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     import torch
 
-    from grpo_core.evaluate import compare_to_start, summarize
-    from grpo_core.gguf_source import convert_gguf
+    from grpo_core.evaluation.greedy import compare_to_start, summarize
+    from grpo_core.io.gguf import convert_gguf
 
     torch.set_num_threads(a.threads)
     start = convert_gguf(a.source)["uri"]

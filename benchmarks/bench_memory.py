@@ -48,13 +48,13 @@ VARIANTS = {
     "padded": {},
     "mb1+padded": {"execution": {"micro_batch_groups": 1}},
 }
-# name -> grpo_core.scoring switches the variant sets (module settings, not trainer config)
+# name -> grpo_core.policy.scoring switches the variant sets (module settings, not trainer config)
 SCORING = {"fullhead": {"HEAD_CHUNK": 0}, "mb1+fullhead": {"HEAD_CHUNK": 0},
            "padded": {"PACKED": False}, "mb1+padded": {"PACKED": False}}
 
 
 def model_dir(source: str) -> str:
-    from grpo_core.gguf_source import convert_gguf
+    from grpo_core.io.gguf import convert_gguf
 
     return convert_gguf(source)["uri"]
 
@@ -125,15 +125,16 @@ def worker(args) -> dict:
     import torch
     from bench_grpo import run_ours
 
-    import grpo_core.trainer as trainer_module
-    from grpo_core.sharding import training_bytes
+    import grpo_core.train.trainer as trainer_module
+    from grpo_core.policy.sharding import training_bytes
 
     torch.set_num_threads(args.threads)
-    from grpo_core import scoring
+    from grpo_core.policy import scoring
     switches = SCORING.get(args.worker, {})
     for name, value in switches.items():
         setattr(scoring, name, value)
-    overrides = {"optim": {"lr": 1e-5}, "reward_fn": "grpo_core.rewards:gsm8k_correctness", **VARIANTS[args.worker]}
+    overrides = {"optim": {"lr": 1e-5}, "reward_fn": "grpo_core.data.rewards:gsm8k_correctness",
+                 **VARIANTS[args.worker]}
     runtime_gb = current_rss_gb()  # python, torch and transformers imported, nothing loaded
     held, saved, real_update = {}, SavedActivations(), trainer_module.Trainer.update
     trainer_module.completion_logprobs = saved.wrap(trainer_module.completion_logprobs)

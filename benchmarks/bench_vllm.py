@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpo_core import engines
-from grpo_core.config import GRPOConfig
-from grpo_core.data import PromptStream, train_rows
-from grpo_core.models import load_policy
+from grpo_core.config.stage import GRPOConfig
+from grpo_core.data.prompts import PromptStream, train_rows
+from grpo_core.model.loading import load_policy
+from grpo_core.rollout import engines
 
 
 def quartiles(xs: list[float]) -> dict:

@@ -42,14 +42,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from grpo_core import dist, sharding  # noqa: E402
-from grpo_core.algorithm import group_advantages, token_logprobs  # noqa: E402
-from grpo_core.decode import sample_inverse_cdf, sample_shared_prefix  # noqa: E402
-from grpo_core.losses import grpo_loss  # noqa: E402
-from grpo_core.rollout import _generate, completion_mask  # noqa: E402
-from grpo_core.scoring import completion_logprobs, groups_share_prompts, length_chunks  # noqa: E402
-from grpo_core.types import RolloutBatch  # noqa: E402
-from grpo_core.update_parts import wrap_ddp  # noqa: E402
+from grpo_core.algo.core import group_advantages, token_logprobs  # noqa: E402
+from grpo_core.algo.losses import grpo_loss  # noqa: E402
+from grpo_core.policy import dist, sharding  # noqa: E402
+from grpo_core.policy.scoring import completion_logprobs, groups_share_prompts, length_chunks  # noqa: E402
+from grpo_core.rollout.batch import RolloutBatch  # noqa: E402
+from grpo_core.rollout.decode import sample_inverse_cdf, sample_shared_prefix  # noqa: E402
+from grpo_core.rollout.generate import _generate, completion_mask  # noqa: E402
+from grpo_core.train.update_parts import wrap_ddp  # noqa: E402
 
 BIG = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
            intermediate_size=4864, vocab_size=151936)  # Qwen2-0.5B's shape
@@ -96,7 +96,7 @@ def big_model(shape: dict, dev, dtype, arch: str = "qwen2"):
 
 
 def tiny_dir(tmp: str) -> str:
-    from grpo_core.models import build_tiny, save_policy
+    from grpo_core.model.loading import build_tiny, save_policy
 
     model, tok = build_tiny("llama", 64, 2, 4, seed=0)
     return str(save_policy(model, tok, Path(tmp) / "tiny"))
@@ -122,9 +122,9 @@ def fixed_batch(n_groups: int, G: int, P: int = 6, T: int = 7, vocab: int = 60,
 
 
 def trainer_for(model_dir: str, out: str, info, **over):
-    from grpo_core.config import GRPOConfig
-    from grpo_core.pipeline_config import deep_merge
-    from grpo_core.trainer import Trainer
+    from grpo_core.config.pipeline import deep_merge
+    from grpo_core.config.stage import GRPOConfig
+    from grpo_core.train.trainer import Trainer
 
     fields = dict(loss=dict(beta=0.04), optim=dict(lr=1e-2, max_grad_norm=0.0), sampling=dict(group_size=4),
                   prompts_per_iter=2, runtime=dict(model=model_dir, output_dir=out))
@@ -210,7 +210,7 @@ def correctness(dev, tmp: str, vocab: int) -> dict:
     res["trainer_update_bf16_grad_cosine"] = cos
     res.update(lora_checks(dev, tmp, model_dir, batch))
     # the shared-prefix decoder and scorer vs generate / full forward on the tiny fp32 model
-    from grpo_core.models import load_policy
+    from grpo_core.model.loading import load_policy
     model, tok = load_policy(model_dir)
     model.to(dev).eval()
     ids = torch.randint(10, 60, (3, 9), generator=g).to(dev)
@@ -244,7 +244,7 @@ def lora_checks(dev, tmp: str, model_dir: str, batch: RolloutBatch) -> dict:
 
 
 def shared_vs_full(model, ids, mask, comp, G: int, eos: int) -> float:
-    import grpo_core.scoring as scoring
+    import grpo_core.policy.scoring as scoring
 
     cmask, trunc = completion_mask(comp.clone(), eos)
     batch = RolloutBatch(ids.repeat_interleave(G, 0).cpu(), mask.repeat_interleave(G, 0).cpu(), comp.clone().cpu(),
@@ -433,7 +433,7 @@ def fsdp2_grads(model_dir: str, tmp: str, info, full: RolloutBatch, rows, precis
         tr.update(full.select_groups(rows))
         model = tr.model
     else:
-        from grpo_core.models import load_policy
+        from grpo_core.model.loading import load_policy
 
         model, _ = load_policy(model_dir)
         model.to(info.device)
@@ -447,7 +447,7 @@ def fsdp2_grads(model_dir: str, tmp: str, info, full: RolloutBatch, rows, precis
 
 def direct_grads(model_dir: str, dev, full: RolloutBatch) -> dict:
     """The unsharded fp32 gradient of the loss ``fsdp2_grads`` uses on one GPU."""
-    from grpo_core.models import load_policy
+    from grpo_core.model.loading import load_policy
 
     model, _ = load_policy(model_dir)
     model.to(dev)
@@ -485,5 +485,5 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     code = main()
     if code == 0:
-        dist.end_worker_process()  # under torchrun: skips a gloo teardown race (see grpo_core.dist)
+        dist.end_worker_process()  # under torchrun: skips a gloo teardown race (see grpo_core.policy.dist)
     sys.exit(code)

@@ -42,9 +42,9 @@ def _dataset(model_dir: str, n: int, seed: int):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from grpo_core.data import PromptStream
-    from grpo_core.rollout import render_prompts
-    from grpo_core.tasks import arithmetic
+    from grpo_core.data.prompts import PromptStream
+    from grpo_core.data.tasks import arithmetic
+    from grpo_core.rollout.generate import render_prompts
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = PromptStream(arithmetic.rows("train"), seed).take(0, n)
@@ -100,8 +100,8 @@ def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_core.models import prepare_tokenizer
-    from grpo_core.rewards import load_reward_fn
+    from grpo_core.data.rewards import load_reward_fn
+    from grpo_core.model.loading import prepare_tokenizer
 
     steps = iters + warmup
     dataset, tok = _dataset(model_dir, spec["prompts"] * (steps + 2), common["seed"])

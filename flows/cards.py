@@ -13,7 +13,7 @@ import re
 
 from metaflow.cards import Markdown, Table, VegaChart
 
-# metrics.jsonl keys (one row per iteration, written by grpo_core.trainer) -> panel title, in panel order
+# metrics.jsonl keys (one row per iteration, written by grpo_core.train.trainer) -> panel title, in panel order
 PANELS = {
     "reward": "reward (mean)",
     "informative_frac": "informative fraction (groups with reward spread)",

@@ -23,7 +23,7 @@ import os
 
 from metaflow import StepMutator
 
-from grpo_core.pipeline_config import PipelineConfig
+from grpo_core.config.pipeline import PipelineConfig
 
 
 def _add_kubernetes(mutable_step, gpus=lambda c: c.gpu, gang=False) -> None:

@@ -27,9 +27,10 @@ os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.enviro
 
 from metaflow import Config, FlowSpec, card, current, parallel, step
 
-from grpo_core import evaluation_step, launcher, pipeline
-from grpo_core.config_checks import ConfigError
-from grpo_core.pipeline_config import PipelineConfig, parse_config_text
+from grpo_core.config.checks import ConfigError
+from grpo_core.config.pipeline import PipelineConfig, parse_config_text
+from grpo_core.pipeline import evaluation_step, launcher
+from grpo_core.pipeline import steps as pipeline
 
 from cards import registry_card, stage_table_card, training_card, training_result
 from compute import eval_compute, train_compute
@@ -153,7 +154,7 @@ class GRPOFlow(FlowSpec):
         print(evaluation_step.summary_table(self.results, self.curriculum, self.gsm8k, self.registry))
         pipeline.finish(self._ctx())
 
-    # -- helpers (no pipeline logic here; see grpo_core.pipeline)
+    # -- helpers (no pipeline logic here; see grpo_core.pipeline.steps)
     def _ctx(self) -> pipeline.RunContext:
         ctx = pipeline.RunContext(**{**self.ctx.__dict__, "run_id": current.run_id,
                                      "origin_run_id": current.origin_run_id})

@@ -21,7 +21,7 @@ LONG = "<think>" + "carry the one, " * 30 + "</think><answer>7</answer>"  # long
 
 
 def metrics_rows(n: int = 12, pool: bool = False) -> list[dict]:
-    """Rows as grpo_core.trainer writes them to metrics.jsonl (eval_accuracy every 4th; with
+    """Rows as grpo_core.train.trainer writes them to metrics.jsonl (eval_accuracy every 4th; with
     ``pool``, the prompt pool's counts)."""
     rows = []
     for it in range(1, n + 1):
@@ -51,9 +51,9 @@ def samples_logged(iteration: int = 10) -> dict:
 def evaluation_results(with_sampled: bool = False) -> list[dict]:
     """Three stages on two held-out sets, paired with the start model as join_evaluations does;
     ``with_sampled`` adds a GSM8K set with calculator steps and sampled accuracy (k = 2)."""
-    from grpo_core.evaluate import summarize
-    from grpo_core.evaluation_step import paired_with_start
-    from grpo_core.sampled_eval import summarize_sampled
+    from grpo_core.evaluation.greedy import summarize
+    from grpo_core.evaluation.sampled import summarize_sampled
+    from grpo_core.pipeline.evaluation_step import paired_with_start
 
     def items(name, n, right, cut=(), loops=()):
         return [{"item_id": f"{name}:{k}", "correct": k in right, "gold": str(k * 2),
@@ -79,7 +79,7 @@ def evaluation_results(with_sampled: bool = False) -> list[dict]:
 
 
 def registry_decision() -> dict:
-    from grpo_core.registry import decide_promotion
+    from grpo_core.tracking.registry import decide_promotion
 
     final = evaluation_results()[-1]["items"]["gsm8k_test"]
     champion = [{**i, "correct": i["item_id"] == "gsm8k_test:0"} for i in final]

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from grpo_core import dist, scoring, sharding
-from grpo_core.config import GRPOConfig
-from grpo_core.pipeline_config import deep_merge
-from grpo_core.trainer import Trainer
+from grpo_core.config.pipeline import deep_merge
+from grpo_core.config.stage import GRPOConfig
+from grpo_core.policy import dist, scoring, sharding
+from grpo_core.train.trainer import Trainer
 from tests.helpers import fixed_rollout_batch
 
 model_dir, out_file, loss_type, prompts, scale = sys.argv[1:6]

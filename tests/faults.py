@@ -1,4 +1,4 @@
-"""Crashes injected from the test side into an in-process stage (``grpo_core.train.main``).
+"""Crashes injected from the test side into an in-process stage (``grpo_core.train.entry.main``).
 
 Product code has no fault-injection hook: these context managers wrap one real method of the
 real trainer for the duration of a ``with`` block, so the stage dies at the chosen point and
@@ -20,7 +20,7 @@ class InjectedFault(RuntimeError):
 def crash_after_iteration(n: int):
     """The stage raises InjectedFault as it starts iteration n + 1: iteration n was trained,
     logged and, when due, checkpointed, as in a process lost between two iterations."""
-    from grpo_core.trainer import Trainer
+    from grpo_core.train.trainer import Trainer
 
     real = Trainer.rollout
 
@@ -40,7 +40,7 @@ def crash_after_iteration(n: int):
 def crash_before_final_model():
     """The stage raises InjectedFault where it would publish its final model: the last
     checkpoint is written, the final model is not (a process lost at the very end)."""
-    from grpo_core.stage_checkpoints import StageCheckpoints
+    from grpo_core.train.stage_checkpoints import StageCheckpoints
 
     real = StageCheckpoints.publish_final
 

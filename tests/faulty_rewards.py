@@ -69,7 +69,7 @@ def gsm8k_correctness_killed_on_call(prompts, completions, **columns):
     import os
     import signal
 
-    from grpo_core.rewards import gsm8k_correctness
+    from grpo_core.data.rewards import gsm8k_correctness
 
     KILLS["n"] += 1
     if os.environ.get(KILL_ON_CALL_ENV) == str(KILLS["n"]):

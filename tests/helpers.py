@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_core.config import GROUPS
+from grpo_core.config.stage import GROUPS
 
 REPO = Path(__file__).resolve().parents[1]
 # GSM8K_DIR unset or empty (README's commands leave it empty without ../shared): the shared copy's place
@@ -23,12 +23,12 @@ def require_gsm8k() -> Path:
     return GSM8K_DIR
 
 
-SEVENS = [{"fn": "grpo_core.rewards:target_char_fraction", "weight": 1.0}]
+SEVENS = [{"fn": "grpo_core.data.rewards:target_char_fraction", "weight": 1.0}]
 """A dense, learnable reward ("emit the character 7") for trainer tests."""
 
 
 def tiny_model_dir(path: Path, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
-    from grpo_core.models import build_tiny, save_policy
+    from grpo_core.model.loading import build_tiny, save_policy
 
     if not (path / "config.json").exists():
         model, tok = build_tiny("llama", hidden, layers, 4, seed=seed)
@@ -37,7 +37,7 @@ def tiny_model_dir(path: Path, hidden: int = 64, layers: int = 2, seed: int = 0)
 
 
 def stage_args(**fields) -> list[str]:
-    """``--set`` arguments of grpo_core.train for config ``fields``; a group (a dict of a
+    """``--set`` arguments of grpo_core.train.entry for config ``fields``; a group (a dict of a
     config group's fields) becomes dotted keys, as a user would write them."""
     groups = {*GROUPS, "runtime"}
     return [f"--set={g}.{k}={json.dumps(v)}" for g, sub in fields.items() if g in groups for k, v in sub.items()] + \
@@ -53,7 +53,7 @@ def fixed_rollout_batch(groups: int = 2, shared_prompts: bool = True):
     """A fixed RolloutBatch of ``groups`` groups of 4 (uneven completion lengths, rewards that
     make every group informative), for update tests. groups=2 is the 8-row batch the DDP test
     has always used."""
-    from grpo_core.types import RolloutBatch
+    from grpo_core.rollout.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
     B, P, T = 4 * groups, 5, 7

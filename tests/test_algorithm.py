@@ -1,4 +1,4 @@
-"""Tests for grpo_core.algorithm and grpo_core.losses: hand-computed values, a float64 loop reference
+"""Tests for grpo_core.algo.core and grpo_core.algo.losses: hand-computed values, a float64 loop reference
 for every loss entry, DDP and micro-batch split invariance."""
 
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from grpo_core import losses
-from grpo_core.algorithm import (
+from grpo_core.algo import losses
+from grpo_core.algo.core import (
     MAX_LOG_RATIO,
     group_advantages,
     informative_mask,
@@ -16,7 +16,7 @@ from grpo_core.algorithm import (
     token_entropy,
     token_logprobs,
 )
-from grpo_core.losses import grpo_loss, micro_batch_weight
+from grpo_core.algo.losses import grpo_loss, micro_batch_weight
 
 LOSS_TYPES = tuple(losses.LOSS_TYPES)
 SCALES = ("group", "batch", "none")
@@ -528,7 +528,7 @@ def test_token_logprobs_saves_no_float32_copy_of_logits():
 
 def test_batch_std_override_and_std_from_moments():
     """A shard's advantages with the whole batch's std equal the whole batch's advantages."""
-    from grpo_core.algorithm import std_from_moments
+    from grpo_core.algo.core import std_from_moments
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 1.0, 1.0], dtype=torch.float64)
     assert std_from_moments(r.sum().item(), (r * r).sum().item(), r.numel()) == pytest.approx(r.std().item())
     assert std_from_moments(1.0, 1.0, 1) == 0.0  # one value: no spread, not a division by zero

@@ -146,8 +146,7 @@ def test_fsdp2_bench_runs_both_sides_on_a_tiny_model(monkeypatch, tmp_path):
 
 
 def test_head_lever_switches_the_chunked_lm_head_off(monkeypatch):
-    from grpo_core import scoring
-
+    from grpo_core.policy import scoring
     monkeypatch.setattr(scoring, "HEAD_CHUNK", scoring.HEAD_CHUNK)  # restored after the test
     assert bench_grpo.parse_side("ours-head") == ("ours", ["head"], False)
     bench_grpo.disable_levers(["head"])
@@ -155,8 +154,7 @@ def test_head_lever_switches_the_chunked_lm_head_off(monkeypatch):
 
 
 def test_pack_lever_switches_packed_scoring_off(monkeypatch):
-    from grpo_core import scoring
-
+    from grpo_core.policy import scoring
     monkeypatch.setattr(scoring, "PACKED", scoring.PACKED)  # restored after the test
     assert scoring.PACKED and bench_grpo.parse_side("ours-pack") == ("ours", ["pack"], False)
     bench_grpo.disable_levers(["pack"])
@@ -167,8 +165,8 @@ def test_pack_lever_switches_packed_scoring_off(monkeypatch):
 def test_head_chunks_and_pack_levers_each_leave_the_packed_path(monkeypatch, lever):
     """Packed scoring needs the chunked head and replaces the length chunks: switching either lever
     off scores through the padded pieces, as the lever descriptions say."""
-    from grpo_core import packed_scoring, scoring
-    from grpo_core.scoring import completion_logprobs
+    from grpo_core.policy import packed_scoring, scoring
+    from grpo_core.policy.scoring import completion_logprobs
     from tests.test_head_chunks import _rollout
 
     for name in ("PACKED", "HEAD_CHUNK", "SCORE_CALL_COST"):
@@ -187,8 +185,8 @@ def test_saved_activations_see_the_whole_logits_only_without_head_chunks(monkeyp
     logits, head chunks of 4 positions save one [4, V] softmax instead; parameters never count."""
     import bench_memory
 
-    from grpo_core import scoring
-    from grpo_core.scoring import completion_logprobs
+    from grpo_core.policy import scoring
+    from grpo_core.policy.scoring import completion_logprobs
     from tests.test_head_chunks import _rollout
 
     model, batch = _rollout()

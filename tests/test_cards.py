@@ -117,7 +117,7 @@ def test_samples_shown_are_the_best_and_the_worst():
 
 
 def test_the_progress_report_passes_samples_to_a_callback_that_takes_them(tmp_path):
-    from grpo_core.launcher import _ProgressReport
+    from grpo_core.pipeline.launcher import _ProgressReport
 
     (tmp_path / "metrics.jsonl").write_text('{"iteration": 1, "reward": 0.5}\n')
     seen = {}
@@ -130,20 +130,20 @@ def test_the_progress_report_passes_samples_to_a_callback_that_takes_them(tmp_pa
 
 
 def _tiny_stage(tmp_path, iterations: int) -> dict:
-    from grpo_core.config import GRPOConfig
+    from grpo_core.config.stage import GRPOConfig
 
     model = tmp_path / "model"  # built in a process of its own: this one has loaded metaflow
-    subprocess.run([sys.executable, "-m", "grpo_core.models", "tiny", "--out", str(model)], check=True,
+    subprocess.run([sys.executable, "-m", "grpo_core.model.loading", "tiny", "--out", str(model)], check=True,
                    capture_output=True, cwd=REPO)
     return GRPOConfig(runtime=dict(model=str(model), output_dir=str(tmp_path / "out")), iterations=iterations,
                       checkpoint=dict(every=iterations), prompts_per_iter=2,
                       sampling=dict(group_size=2, max_new_tokens=8), task="arithmetic", sample_every=2,
-                      rewards=[{"fn": "grpo_core.rewards:target_char_fraction"}]).to_dict()
+                      rewards=[{"fn": "grpo_core.data.rewards:target_char_fraction"}]).to_dict()
 
 
 def test_the_live_card_shows_the_samples_a_real_stage_logs(tmp_path):
     """launch_stage -> torchrun trainer -> samples_latest.json -> the training card's table."""
-    from grpo_core.launcher import launch_stage
+    from grpo_core.pipeline.launcher import launch_stage
 
     card = CardStub()
     summary = launch_stage(_tiny_stage(tmp_path, 2), nproc=1, threads=1,

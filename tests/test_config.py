@@ -5,21 +5,22 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core.config import GRPOConfig
-from grpo_core.config_checks import ConfigError
-from grpo_core.pipeline_config import PipelineConfig, deep_merge
+from grpo_core.config.checks import ConfigError
+from grpo_core.config.pipeline import PipelineConfig, deep_merge
+from grpo_core.config.stage import GRPOConfig
 
 
 def test_config_choices_are_exactly_what_the_math_accepts():
     """config.py keeps its own copies (it validates before torch is imported, so it cannot import
-    grpo_core.algorithm): a choice added on one side only would pass validation and fail at
-    iteration 1, or be unreachable. Loss types are read from grpo_core.losses when a stage is
+    grpo_core.algo.core): a choice added on one side only would pass validation and fail at
+    iteration 1, or be unreachable. Loss types are read from grpo_core.algo.losses when a stage is
     validated, so they cannot drift."""
-    from grpo_core import algorithm, config, losses, objective
-
+    from grpo_core.algo import core as algorithm
+    from grpo_core.algo import losses, objective
+    from grpo_core.config import stage as config
     assert config.SCALES == algorithm.ADVANTAGE_SCALES == tuple(objective.SCALES)
     assert config.loss_type_names() == tuple(losses.LOSS_TYPES)
-    from grpo_core import models
+    from grpo_core.model import loading as models
     assert config.TINY_ARCHITECTURES == models.ARCHITECTURES
 
 
@@ -190,7 +191,7 @@ def test_kubernetes_config_without_resources_gets_the_defaults():
 def test_credentials_in_the_tracking_uri_are_refused(uri, monkeypatch):
     """The URI travels in every stage's config and the flow's artifacts: credentials go in the
     environment (MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN), and the error does not echo them."""
-    from grpo_core.tracking import resolve_tracking_uri
+    from grpo_core.tracking.runs import resolve_tracking_uri
 
     with pytest.raises(ConfigError, match=r"tracking_uri: .*holds credentials.*MLFLOW_TRACKING_USERNAME") as err:
         PipelineConfig.from_dict({"tracking_uri": uri})
@@ -203,8 +204,8 @@ def test_credentials_in_the_tracking_uri_are_refused(uri, monkeypatch):
 
 
 def test_the_stage_table_names_each_stage_once_with_a_known_task():
-    from grpo_core.stages import EVALUATED, GRPO_STAGES, stage
-    from grpo_core.tasks import registry
+    from grpo_core.config.stages import EVALUATED, GRPO_STAGES, stage
+    from grpo_core.data.tasks import registry
 
     assert [s.name for s in GRPO_STAGES] == list(EVALUATED[1:]) and EVALUATED[0] == "sft"
     assert all(s.task in registry() for s in GRPO_STAGES)
@@ -217,15 +218,15 @@ def test_the_stage_table_names_each_stage_once_with_a_known_task():
 
 def test_the_readme_config_reference_is_the_one_generated_from_the_field_docstrings():
     """Fields are documented once, in their docstrings: README's reference block must be exactly
-    what ``python -m grpo_core.config_reference`` makes of them, and every field must have one."""
+    what ``python -m grpo_core.config.reference`` makes of them, and every field must have one."""
     import dataclasses
 
-    from grpo_core.config import GROUPS, StageRuntime
-    from grpo_core.config_reference import TABLES, field_docs, reference, replaced
-    from grpo_core.pipeline_config import ComputeConfig, EvalConfig, RegisterConfig, SFTConfig
+    from grpo_core.config.pipeline import ComputeConfig, EvalConfig, RegisterConfig, SFTConfig
+    from grpo_core.config.reference import TABLES, field_docs, reference, replaced
+    from grpo_core.config.stage import GROUPS, StageRuntime
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    fix = "python -m grpo_core.config_reference --write README.md"
+    fix = "python -m grpo_core.config.reference --write README.md"
     assert replaced(readme) == readme, f"README's config reference drifted from the docstrings: {fix}"
     for cls in (PipelineConfig, ComputeConfig, SFTConfig, GRPOConfig, *GROUPS.values(), StageRuntime, EvalConfig,
                 RegisterConfig):

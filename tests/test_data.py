@@ -4,11 +4,11 @@ import os
 
 import pytest
 
-from grpo_core.config import GRPOConfig
-from grpo_core.data import eval_rows, train_rows
-from grpo_core.evaluate import eval_sets
-from grpo_core.pipeline_config import PipelineConfig
-from grpo_core.tasks import SPLITS, arithmetic, gsm8k
+from grpo_core.config.pipeline import PipelineConfig
+from grpo_core.config.stage import GRPOConfig
+from grpo_core.data.prompts import eval_rows, train_rows
+from grpo_core.data.tasks import SPLITS, arithmetic, gsm8k
+from grpo_core.evaluation.greedy import eval_sets
 from tests.helpers import GSM8K_DIR, require_gsm8k
 
 needs_gsm8k = pytest.mark.usefixtures("gsm8k_dir")
@@ -68,8 +68,8 @@ def test_sft_rows_too_long_lose_reasoning_never_the_answer_or_the_stop():
     """A row over the token budget is cut inside its <think> text: the answer tail and eos stay
     (cut from the end, 3,372 of 7,116 GSM8K rows lost their answer); a row whose prompt and
     tail alone overflow is dropped, not taught without an answer."""
-    from grpo_core.models import build_tiny
-    from grpo_core.sft import encode_examples
+    from grpo_core.model.loading import build_tiny
+    from grpo_core.pipeline.sft import encode_examples
 
     _, tok = build_tiny("llama", 16, 1, 2, seed=0)
     rows = [{"prompt": "1+2=", "think": "1+2=3", "gold": 3},
@@ -109,7 +109,7 @@ def test_gsm8k_digest_is_of_the_rows_not_of_the_file_or_its_name(tmp_path):
 
 
 PARITY_TASK = """
-from grpo_core.tasks import Task, bucket
+from grpo_core.data.tasks import Task, bucket
 
 
 def rows(split, arithmetic_max=20):
@@ -130,9 +130,9 @@ TASK = Task("parity", ("arithmetic_max",), rows, identity)
 def test_a_new_task_is_one_file_that_config_training_and_evaluation_pick_up(tmp_path, monkeypatch):
     """Dropping a module that defines TASK into the tasks package is the whole change: the stage
     config accepts its name, training and the gate read its splits, the evaluation its test split."""
-    import grpo_core.tasks as tasks_pkg
-    from grpo_core.config_checks import ConfigError
-    from grpo_core.pipeline_config import EvalConfig
+    import grpo_core.data.tasks as tasks_pkg
+    from grpo_core.config.checks import ConfigError
+    from grpo_core.config.pipeline import EvalConfig
 
     (tmp_path / "parity.py").write_text(PARITY_TASK)
     with pytest.raises(ConfigError, match="parity"):
@@ -155,7 +155,7 @@ def test_the_run_fingerprints_every_split_of_every_stage_task_by_one_name(monkey
     """``start`` records each stage task's train/validation/test as <task>_<split>, with the params
     it read (GSM8K_DIR resolved), so training pods and the evaluation read what was fingerprinted;
     data that cannot be read stops it with the dataset's name and the fix."""
-    from grpo_core.pipeline import dataset_identities
+    from grpo_core.pipeline.steps import dataset_identities
 
     monkeypatch.setenv("GSM8K_DIR", str(GSM8K_DIR))
     found = dataset_identities(PipelineConfig.from_dict({"curriculum": {"arithmetic_max": 30}}))

@@ -1,10 +1,10 @@
 """Evaluation records: truncation share, the pairing with the start model, the summary table."""
 import pytest
 
-from grpo_core.evaluate import compare_to_start, summarize
-from grpo_core.evaluation_step import paired_with_start, summary_table
-from grpo_core.pipeline_config import EvalConfig
-from grpo_core.sampled_eval import summarize_sampled
+from grpo_core.config.pipeline import EvalConfig
+from grpo_core.evaluation.greedy import compare_to_start, summarize
+from grpo_core.evaluation.sampled import summarize_sampled
+from grpo_core.pipeline.evaluation_step import paired_with_start, summary_table
 
 
 def _items(correct, truncated=None):
@@ -69,11 +69,11 @@ def test_gsm8k_gets_its_own_generation_cap():
 
 
 def test_the_cli_evaluates_any_registered_task_with_its_params(tiny, capsys):
-    """`python -m grpo_core.evaluate`: --set choices and the data flags come from the task registry."""
+    """`python -m grpo_core.evaluation`: --set choices and the data flags come from the task registry."""
     import json
 
-    from grpo_core import tasks
-    from grpo_core.evaluate import main
+    from grpo_core.data import tasks
+    from grpo_core.evaluation.greedy import main
 
     main(["--model", str(tiny), "--set", "arithmetic_test", "--size", "7", "--max-new-tokens", "6",
           "--arithmetic-max", "30"])
@@ -88,7 +88,7 @@ def test_the_cli_evaluates_any_registered_task_with_its_params(tiny, capsys):
 
 
 def test_the_registered_version_says_what_it_beat_by_how_much_on_which_items():
-    from grpo_core.pipeline import version_description
+    from grpo_core.pipeline.steps import version_description
 
     def result(stage, right):
         it = {"gsm8k_test_le2": [{"item_id": i, "correct": i < right} for i in range(10)]}

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from grpo_core.decode import fast_decode_supported, sample_inverse_cdf, sample_shared_prefix
-from grpo_core.models import build_tiny
-from grpo_core.rollout import _generate, completion_mask, encode_prompts, generate_rollouts
-from grpo_core.scoring import completion_logprobs, groups_share_prompts, length_chunks
-from grpo_core.types import RolloutBatch
+from grpo_core.model.loading import build_tiny
+from grpo_core.policy.scoring import completion_logprobs, groups_share_prompts, length_chunks
+from grpo_core.rollout.batch import RolloutBatch
+from grpo_core.rollout.decode import fast_decode_supported, sample_inverse_cdf, sample_shared_prefix
+from grpo_core.rollout.generate import _generate, completion_mask, encode_prompts, generate_rollouts
 
 PROMPTS = ["What is 3 + 4?", "A much longer question so the batch is left padded: 12 * 11?", "7 * 8?"]
 
@@ -132,7 +132,7 @@ def test_scored_logprobs_equal_the_decoder_sampling_distribution(temperature, mo
 def test_shared_prefix_scoring_equals_full_forward_in_value_and_gradient(monkeypatch, call_cost):
     """Shared-prefix scoring, in one padded call (inf) or in length chunks that skip the positions
     after EOS (0: one chunk per distinct length), equals the full forward at every scored position."""
-    import grpo_core.scoring as scoring
+    import grpo_core.policy.scoring as scoring
 
     model, tok = _model()
     model.train()
@@ -325,8 +325,7 @@ def test_shared_prefix_attention_gives_generates_tokens_with_and_without_compact
     """Rows attending their prompt's K/V held once per prompt (SHARED_PREFIX_ATTENTION) decode
     exactly what generate does, also after finished rows leave the batch; and with the lever off
     (each row holds a copy), the same tokens under seeded multinomial sampling."""
-    from grpo_core import decode
-
+    from grpo_core.rollout import decode
     model, tok = _model(arch, kv)
     ids, mask = _prompts(tok)
     free = sample_shared_prefix(model, ids, mask, 1, max_new_tokens=12, eos_id=-1, pad_id=0, greedy=True)

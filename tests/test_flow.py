@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core.pipeline_config import deep_merge
-from grpo_core.stages import GRPO_STAGES
-from grpo_core.stats import wilson_interval
+from grpo_core.config.pipeline import deep_merge
+from grpo_core.config.stages import GRPO_STAGES
+from grpo_core.evaluation.stats import wilson_interval
 from tests.conftest import S3_ENV, free_port
 from tests.helpers import GSM8K_DIR, REPO, require_gsm8k, same_weights
 
@@ -116,7 +116,7 @@ def _child_runs(cfg, run) -> dict:
 
 def test_evaluation_results_are_put_in_stage_order():
     """The join may hand the foreach results in any order; the last must be the shipped model's."""
-    from grpo_core.evaluation_step import in_stage_order
+    from grpo_core.pipeline.evaluation_step import in_stage_order
 
     got = in_stage_order([{"stage": "gsm8k"}, {"stage": "sft"}, {"stage": "curriculum"}])
     assert [r["stage"] for r in got] == ["sft", "curriculum", "gsm8k"]
@@ -373,7 +373,7 @@ def test_s3_storage_run_puts_checkpoints_and_models_on_s3(tmp_path, s3_server):
 def test_steps_resolve_the_tracking_uri_where_they_run(monkeypatch):
     """A training pod must not inherit the workstation's port-forwarded localhost from `start`:
     its own MLFLOW_TRACKING_URI wins, then the configured URI, then what `start` resolved."""
-    from grpo_core.pipeline import RunContext
+    from grpo_core.pipeline.steps import RunContext
 
     ctx = RunContext(flow="F", run_id="1", origin_run_id=None, storage_root="s3://b/p",
                      tracking_uri="http://localhost:5000", parent_run_id="abc")
@@ -389,7 +389,7 @@ def test_steps_resolve_the_tracking_uri_where_they_run(monkeypatch):
 
 def test_live_metrics_skip_a_row_half_written(tmp_path):
     """The card reads metrics.jsonl while the trainer appends to it: a partial last line is not a row yet."""
-    from grpo_core.launcher import read_metrics
+    from grpo_core.pipeline.launcher import read_metrics
 
     (tmp_path / "metrics.jsonl").write_text('{"iteration": 1, "reward": 0.5}\n{"iteration": 2, "rew')
     assert read_metrics(tmp_path) == [{"iteration": 1, "reward": 0.5}]
@@ -397,21 +397,21 @@ def test_live_metrics_skip_a_row_half_written(tmp_path):
 
 
 def _tiny_stage(tmp_path, iterations: int) -> dict:
-    from grpo_core.config import GRPOConfig
+    from grpo_core.config.stage import GRPOConfig
 
     model = tmp_path / "model"  # built in a process of its own: this one has loaded metaflow's typing_extensions
-    subprocess.run([sys.executable, "-m", "grpo_core.models", "tiny", "--out", str(model)], check=True,
+    subprocess.run([sys.executable, "-m", "grpo_core.model.loading", "tiny", "--out", str(model)], check=True,
                    capture_output=True, cwd=REPO)
     return GRPOConfig(runtime=dict(model=str(model), output_dir=str(tmp_path / "out")), iterations=iterations,
                       checkpoint=dict(every=iterations), prompts_per_iter=2,
                       sampling=dict(group_size=2, max_new_tokens=8), task="arithmetic",
-                      rewards=[{"fn": "grpo_core.rewards:target_char_fraction"}]).to_dict()
+                      rewards=[{"fn": "grpo_core.data.rewards:target_char_fraction"}]).to_dict()
 
 
 def test_a_step_interrupted_while_training_runs_stops_torchrun(tmp_path):
     """Ctrl-C (or the task being killed) while torchrun trains: its ranks must not train on,
     orphaned, writing into the step's scratch dir."""
-    from grpo_core.launcher import launch_stage
+    from grpo_core.pipeline.launcher import launch_stage
 
     cfg, seen = _tiny_stage(tmp_path, 100_000), []
 
@@ -428,7 +428,7 @@ def test_a_step_interrupted_while_training_runs_stops_torchrun(tmp_path):
 
 
 def test_a_live_card_that_fails_does_not_stop_training(tmp_path, capsys):
-    from grpo_core.launcher import launch_stage
+    from grpo_core.pipeline.launcher import launch_stage
 
     calls = []
 
@@ -444,8 +444,8 @@ def test_a_live_card_that_fails_does_not_stop_training(tmp_path, capsys):
 def test_kubernetes_refuses_a_tracking_store_pods_cannot_reach(monkeypatch):
     """No tracking_uri in the config and no MLFLOW_TRACKING_URI: start would open the launcher's
     sqlite file, which training pods cannot reach; it stops before creating any run."""
-    from grpo_core.pipeline import open_tracking
-    from grpo_core.pipeline_config import PipelineConfig
+    from grpo_core.config.pipeline import PipelineConfig
+    from grpo_core.pipeline.steps import open_tracking
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = PipelineConfig.from_dict({"storage_root": "s3://b/p", "compute": {"backend": "kubernetes", "gpu": 2,

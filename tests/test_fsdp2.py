@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_core import checkpoint, storage
-from grpo_core.config import GRPOConfig
-from grpo_core.config_checks import ConfigError
-from grpo_core.pipeline_config import PipelineConfig, deep_merge
+from grpo_core.config.checks import ConfigError
+from grpo_core.config.pipeline import PipelineConfig, deep_merge
+from grpo_core.config.stage import GRPOConfig
+from grpo_core.io import storage
+from grpo_core.train import checkpoint
 from tests.helpers import same_weights
 from tests.test_reliability import _finish, _iterations, _torchrun, _wait_for_iteration, _worker
 from tests.test_trainer import _update
@@ -102,7 +103,7 @@ def test_fsdp2_killed_run_resumes_from_its_sharded_checkpoint_to_the_uninterrupt
 def test_a_sharded_checkpoint_is_not_loaded_as_a_ddp_one(tiny, tmp_path):
     """A complete (checksummed) fsdp2 checkpoint met by a one-process ddp stage: an error that
     names both settings, before anything is overwritten."""
-    from grpo_core.train import main
+    from grpo_core.train.entry import main
     from tests.helpers import SEVENS, stage_args
 
     ckpt = tmp_path / "checkpoints" / "ckpt-000002"
@@ -132,8 +133,8 @@ def test_fsdp2_on_one_rank_is_refused_in_the_config_and_in_the_stage(tiny, tmp_p
     with pytest.raises(ConfigError, match=r"curriculum\.execution\.parallelism: 'fsdp2' shards.*nproc_per_node = 1"):
         PipelineConfig.from_dict({"curriculum": FSDP2, "compute": {"nproc_per_node": 1}})
     PipelineConfig.from_dict({"curriculum": FSDP2, "compute": {"nproc_per_node": 2}})  # accepted
-    from grpo_core import dist
-    from grpo_core.trainer import Trainer
+    from grpo_core.policy import dist
+    from grpo_core.train.trainer import Trainer
 
     cfg = GRPOConfig(runtime=dict(model=str(tiny), output_dir=str(tmp_path)), **FSDP2)
     with pytest.raises(ConfigError, match=r"parallelism: 'fsdp2' shards over ranks.*torchrun --nproc_per_node >= 2"):

@@ -1,4 +1,4 @@
-"""GGUF checkpoints as a model source (grpo_core.gguf_source) on a tiny GGUF this file writes.
+"""GGUF checkpoints as a model source (grpo_core.io.gguf) on a tiny GGUF this file writes.
 
 The file is written with ``gguf.GGUFWriter`` the way llama.cpp's converter writes a Llama: F32
 tensors under llama.cpp names, q/k rows permuted for its rotary layout, and a byte-level BPE
@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_core import gguf_source, storage
-from grpo_core.config_checks import ConfigError
-from grpo_core.pipeline_config import PipelineConfig
+from grpo_core.config.checks import ConfigError
+from grpo_core.config.pipeline import PipelineConfig
+from grpo_core.io import gguf as gguf_source
+from grpo_core.io import storage
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h e", "l l", "he ll"]
@@ -150,7 +151,7 @@ def test_converted_dir_loads_plainly_with_the_same_logits_and_chat_tokenizer(tin
 
 
 def test_second_conversion_reuses_the_cache_and_load_policy_takes_a_gguf_path(tiny_gguf, tmp_path, monkeypatch):
-    from grpo_core.models import load_policy
+    from grpo_core.model.loading import load_policy
 
     path, original = tiny_gguf
     cache = tmp_path / "cache"
@@ -299,7 +300,7 @@ def test_default_cache_root_follows_the_environment(monkeypatch):
 def test_conversion_into_s3_publishes_a_complete_dir_once(tiny_gguf, tmp_path, s3_env, s3_server, monkeypatch):
     import boto3
 
-    from grpo_core.models import load_policy
+    from grpo_core.model.loading import load_policy
 
     path, original = tiny_gguf
     s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
@@ -323,8 +324,8 @@ def test_conversion_into_s3_publishes_a_complete_dir_once(tiny_gguf, tmp_path, s
 
 
 def test_load_sft_converts_into_storage_and_records_source_and_digest(tiny_gguf, tmp_path, sqlite_uri, monkeypatch):
-    from grpo_core import pipeline
-    from grpo_core.tracking import mlflow_client, start_parent_run
+    from grpo_core.pipeline import steps as pipeline
+    from grpo_core.tracking.runs import mlflow_client, start_parent_run
 
     path, _ = tiny_gguf
     monkeypatch.delenv("GRPO_STORAGE_ROOT", raising=False)

@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from grpo_core import tasks
-from grpo_core.config import GRPOConfig
-from grpo_core.config_checks import ConfigError
-from grpo_core.evaluate import eval_sets, summarize
-from grpo_core.pipeline_config import EvalConfig, PipelineConfig
-from grpo_core.tasks import gsm8k
+from grpo_core.config.checks import ConfigError
+from grpo_core.config.pipeline import EvalConfig, PipelineConfig
+from grpo_core.config.stage import GRPOConfig
+from grpo_core.data import tasks
+from grpo_core.data.tasks import gsm8k
+from grpo_core.evaluation.greedy import eval_sets, summarize
 
 
 def _answer(steps: int, gold: int) -> str:
@@ -67,7 +67,7 @@ def test_a_stage_bound_is_a_validated_config_field():
 
 
 def test_the_stage_trains_on_the_bound_and_the_whole_test_set_stays_unbounded(gsm8k_dir, monkeypatch):
-    from grpo_core.pipeline import dataset_identities
+    from grpo_core.pipeline.steps import dataset_identities
 
     monkeypatch.setenv("GSM8K_DIR", str(gsm8k_dir))
     cfg = PipelineConfig.from_dict({"curriculum": {"arithmetic_max": 30}, "gsm8k": {"gsm8k_max_steps": 2},

@@ -4,13 +4,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import grpo_core.scoring as scoring
-from grpo_core.algorithm import head_logprobs
-from grpo_core.decode import sample_shared_prefix
-from grpo_core.models import build_tiny
-from grpo_core.rollout import completion_mask, encode_prompts
-from grpo_core.scoring import chunked_head, completion_logprobs
-from grpo_core.types import RolloutBatch
+import grpo_core.policy.scoring as scoring
+from grpo_core.algo.core import head_logprobs
+from grpo_core.model.loading import build_tiny
+from grpo_core.policy.scoring import chunked_head, completion_logprobs
+from grpo_core.rollout.batch import RolloutBatch
+from grpo_core.rollout.decode import sample_shared_prefix
+from grpo_core.rollout.generate import completion_mask, encode_prompts
 
 
 def _reference(hidden, weight, bias, targets, temperature):

@@ -1,5 +1,5 @@
 """The reward-vs-task divergence alarm fires on the failure mode and stays quiet otherwise."""
-from grpo_core.health import divergence_alarm
+from grpo_core.evaluation.health import divergence_alarm
 
 
 def _history(rewards, accs, every=2):

@@ -2,7 +2,7 @@
 (The real gang runs in tests/test_flow.py::test_a_two_node_gang_trains_the_weights_one_node_does.)"""
 import pytest
 
-from grpo_core.launcher import Gang, first_node, torchrun_command
+from grpo_core.pipeline.launcher import Gang, first_node, torchrun_command
 
 
 def _flags(cmd: list[str]) -> dict:

@@ -7,7 +7,7 @@ import time
 
 HOLD = """
 import json, sys, time
-from grpo_core.locks import exclusive
+from grpo_core.io.locks import exclusive
 with exclusive(sys.argv[1], waiting="waiting for " + sys.argv[2]):
     start = time.time()
     print("held", flush=True)

@@ -6,9 +6,11 @@ import re
 import pytest
 import torch
 
-from grpo_core.decode import sample_shared_prefix
-from grpo_core.evaluate import greedy_results, summarize
-from grpo_core.loops import (
+from grpo_core.evaluation.greedy import greedy_results, summarize
+from grpo_core.model.loading import build_tiny
+from grpo_core.rollout.decode import sample_shared_prefix
+from grpo_core.rollout.generate import encode_prompts
+from grpo_core.rollout.loops import (
     LoopRule,
     LoopTracker,
     RepeatRule,
@@ -19,8 +21,6 @@ from grpo_core.loops import (
     repeated_share,
     repeats_itself,
 )
-from grpo_core.models import build_tiny
-from grpo_core.rollout import encode_prompts
 
 
 def first_loop_end(seq: list[int], rule: LoopRule) -> int | None:

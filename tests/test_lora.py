@@ -7,16 +7,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_core import lora
-from grpo_core.config import GRPOConfig
-from grpo_core.config_checks import ConfigError
-from grpo_core.decode import fast_decode_supported, sample_shared_prefix
-from grpo_core.models import load_policy, save_policy
-from grpo_core.pipeline_config import deep_merge
-from grpo_core.rollout import _generate, encode_prompts
-from grpo_core.scoring import completion_logprobs
-from grpo_core.train import load_config, main
-from grpo_core.trainer import Trainer
+from grpo_core.config.checks import ConfigError
+from grpo_core.config.pipeline import deep_merge
+from grpo_core.config.stage import GRPOConfig
+from grpo_core.model import lora
+from grpo_core.model.loading import load_policy, save_policy
+from grpo_core.policy.scoring import completion_logprobs
+from grpo_core.rollout.decode import fast_decode_supported, sample_shared_prefix
+from grpo_core.rollout.generate import _generate, encode_prompts
+from grpo_core.train.entry import load_config, main
+from grpo_core.train.trainer import Trainer
 from tests.faults import InjectedFault, crash_after_iteration
 from tests.helpers import fixed_rollout_batch, same_weights
 from tests.test_trainer import _in_process_trainer

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from grpo_core import losses
-from grpo_core.config import GRPOConfig
-from grpo_core.config_checks import ConfigError
-from grpo_core.losses import grpo_loss
-from grpo_core.objective import objective_card
+from grpo_core.algo import losses
+from grpo_core.algo.losses import grpo_loss
+from grpo_core.algo.objective import objective_card
+from grpo_core.config.checks import ConfigError
+from grpo_core.config.stage import GRPOConfig
 
 
 def _loss_and_grad(logp_values, old_values, adv, loss_type, **kw):

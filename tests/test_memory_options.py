@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_core.config import GRPOConfig
-from grpo_core.config_checks import ConfigError
-from grpo_core.pipeline_config import deep_merge
-from grpo_core.train import load_config, main
+from grpo_core.config.checks import ConfigError
+from grpo_core.config.pipeline import deep_merge
+from grpo_core.config.stage import GRPOConfig
+from grpo_core.train.entry import load_config, main
 from tests.helpers import SEVENS, fixed_rollout_batch, stage_args
 
 
@@ -33,8 +33,8 @@ def test_precision_must_be_fp32_or_bf16():
 def _update(tiny, out, precision, **kw):
     """One trainer's gradients and stats for the fixed batch (mu=2, beta > 0: reference and
     old-policy scoring run too)."""
-    from grpo_core import dist
-    from grpo_core.trainer import Trainer
+    from grpo_core.policy import dist
+    from grpo_core.train.trainer import Trainer
 
     fields = dict(execution=dict(precision=precision), optim=dict(max_grad_norm=0.0, lr=1e-7),
                   sampling=dict(max_new_tokens=7))
@@ -67,11 +67,11 @@ def test_bf16_update_is_the_fp32_update_to_bfloat16_rounding(tiny, tmp_path):
 def test_bf16_decoder_samples_what_bf16_scoring_scores(tiny):
     """Under autocast the decoder's step logits and the scorer's log-probs are both bf16 matmuls:
     they agree to bf16 rounding (fp32: 1e-4, tests/test_fast_rollout.py), not to fp32's."""
-    from grpo_core.decode import sample_shared_prefix
-    from grpo_core.models import load_policy
-    from grpo_core.rollout import completion_mask, encode_prompts
-    from grpo_core.scoring import completion_logprobs
-    from grpo_core.types import RolloutBatch
+    from grpo_core.model.loading import load_policy
+    from grpo_core.policy.scoring import completion_logprobs
+    from grpo_core.rollout.batch import RolloutBatch
+    from grpo_core.rollout.decode import sample_shared_prefix
+    from grpo_core.rollout.generate import completion_mask, encode_prompts
 
     model, tok = load_policy(str(tiny))
     ids, mask = encode_prompts(tok, ["12+3=", "7*8=", "100-1="], 64)
@@ -109,7 +109,7 @@ def test_gradient_checkpointing_gives_the_same_update(tiny, tmp_path):
     """Layers recomputed in backward, the update forward runs prompt and completion together
     (a replayed layer cannot share the prompt's KV cache): the same gradient as the default
     shared-prefix update, to float rounding; the saved model's config is not changed by it."""
-    from grpo_core.scoring import _replays_layers
+    from grpo_core.policy.scoring import _replays_layers
 
     _, plain, s_plain, _ = _update(tiny, tmp_path / "plain", "fp32")
     trainer, ckpt, s_ckpt, _ = _update(tiny, tmp_path / "ckpt", "fp32", execution={"gradient_checkpointing": True})
@@ -135,8 +135,8 @@ def test_every_phase_runs_in_the_stage_precision_and_only_the_update_replays_lay
     autocast exactly when precision = "bf16"; checkpointed layers are on in the update's forward
     only (transformers releases that checkpoint any training-mode forward would otherwise drop
     the decoder's KV cache and score old log-probs without their prompt)."""
-    import grpo_core.rollout as rollout_mod
-    import grpo_core.trainer as trainer_mod
+    import grpo_core.rollout.generate as rollout_mod
+    import grpo_core.train.trainer as trainer_mod
 
     seen = {}
 
@@ -166,9 +166,9 @@ def test_bf16_decoding_casts_each_weight_once_not_every_step(tiny):
     fp32 + bf16 bytes). The decoder switches to no_grad under autocast."""
     from torch.profiler import profile
 
-    from grpo_core.decode import sample_shared_prefix
-    from grpo_core.models import load_policy
-    from grpo_core.rollout import encode_prompts
+    from grpo_core.model.loading import load_policy
+    from grpo_core.rollout.decode import sample_shared_prefix
+    from grpo_core.rollout.generate import encode_prompts
 
     model, tok = load_policy(str(tiny))
     ids, mask = encode_prompts(tok, ["12+3=", "7*8="], 64)

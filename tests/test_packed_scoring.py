@@ -3,14 +3,15 @@ parameter gradients as the padded shared-prefix pieces and as one full forward o
 import pytest
 import torch
 
-import grpo_core.scoring as scoring
-from grpo_core import lora, packed_scoring
-from grpo_core.config import LoraSettings
-from grpo_core.decode import sample_shared_prefix
-from grpo_core.models import enable_activation_checkpointing
-from grpo_core.rollout import completion_mask
-from grpo_core.scoring import completion_logprobs
-from grpo_core.types import RolloutBatch
+import grpo_core.policy.scoring as scoring
+from grpo_core.config.stage import LoraSettings
+from grpo_core.model import lora
+from grpo_core.model.loading import enable_activation_checkpointing
+from grpo_core.policy import packed_scoring
+from grpo_core.policy.scoring import completion_logprobs
+from grpo_core.rollout.batch import RolloutBatch
+from grpo_core.rollout.decode import sample_shared_prefix
+from grpo_core.rollout.generate import completion_mask
 from tests.test_fast_rollout import LINEAR_ROPE, PROMPTS, _model, _prompts
 
 

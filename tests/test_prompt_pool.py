@@ -3,11 +3,11 @@ import json
 
 import pytest
 
-from grpo_core.config import GRPOConfig, PoolSettings
-from grpo_core.config_checks import ConfigError
-from grpo_core.data import PromptStream
-from grpo_core.prompt_pool import PromptPool
-from grpo_core.train import main
+from grpo_core.config.checks import ConfigError
+from grpo_core.config.stage import GRPOConfig, PoolSettings
+from grpo_core.data.pool import PromptPool
+from grpo_core.data.prompts import PromptStream
+from grpo_core.train.entry import main
 from tests.faults import InjectedFault, crash_after_iteration
 from tests.helpers import SEVENS, same_weights, stage_args
 

@@ -28,7 +28,7 @@ def test_readme_test_command_installs_and_runs_what_ci_runs():
 def test_readme_registry_example_names_the_model_the_default_registers():
     with open(REPO / "flows" / "configs" / "local.toml", "rb") as f:
         local = tomllib.load(f)
-    from grpo_core.pipeline_config import PipelineConfig
+    from grpo_core.config.pipeline import PipelineConfig
 
     registered = PipelineConfig.from_dict(local).register.model_name
     examples = re.findall(r"python -m grpo_core\.registry compare (\S+)", README)
@@ -37,10 +37,10 @@ def test_readme_registry_example_names_the_model_the_default_registers():
 
 def test_readme_mlflow_ui_opens_the_store_the_flow_and_the_registry_cli_use(monkeypatch):
     """README's `mlflow ui --backend-store-uri sqlite:///$PWD/...`, typed in the repo root, opens
-    the db the flow's start and `python -m grpo_core.registry compare` resolve by default."""
-    from grpo_core import registry
-    from grpo_core.pipeline import PROJECT_DIR
-    from grpo_core.tracking import resolve_tracking_uri
+    the db the flow's start and `python -m grpo_core.tracking.registry compare` resolve by default."""
+    from grpo_core.pipeline.steps import PROJECT_DIR
+    from grpo_core.tracking import registry
+    from grpo_core.tracking.runs import resolve_tracking_uri
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     [store] = re.findall(r"^mlflow ui --backend-store-uri (\S+)", README, flags=re.M)

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_core import gguf_source, rollout
+from grpo_core.io import gguf as gguf_source
+from grpo_core.rollout import generate as rollout
 from tests.helpers import REPO, require_gsm8k, same_weights, stage_args
 
 PACKAGED = "smollm2-135m-instruct"
@@ -43,7 +44,7 @@ def smol(smol_cache):
     """(model, tokenizer) as the trainer loads them (``load_policy``: left padding), used with one
     torch thread: on a busy 2-core machine two spinning OpenMP threads made a 12-token greedy
     decode of 3 prompts take 33 s instead of 3 s."""
-    from grpo_core.models import load_policy
+    from grpo_core.model.loading import load_policy
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -66,7 +67,7 @@ def _rollouts(model, tok, prompts, engine: str, group_size: int = 1, max_new_tok
 def test_tokenizer_pads_with_eos_and_pads_left_once_prepared(smol_cache, smol):
     from transformers import AutoTokenizer
 
-    from grpo_core.models import prepare_tokenizer
+    from grpo_core.model.loading import prepare_tokenizer
 
     record = smol_cache[1]
     assert record["source"] == PACKAGED and len(record["sha256"]) == 64
@@ -113,8 +114,7 @@ def test_left_padded_batch_greedy_equals_each_prompt_alone(smol):
 
 
 def test_shared_prefix_decoder_agrees_with_generate(smol):
-    from grpo_core import decode
-
+    from grpo_core.rollout import decode
     model, tok = smol
     assert decode.fast_decode_supported(model)
     fast = _rollouts(model, tok, PROMPTS, engine="decoder", group_size=2)
@@ -131,8 +131,8 @@ def test_one_grpo_iteration_under_torchrun_trains_the_real_model(smol_cache, tmp
     args = stage_args(runtime=dict(model=PACKAGED, output_dir=str(out)), task="arithmetic", iterations=1,
                       prompts_per_iter=2, sampling=dict(group_size=4, max_new_tokens=16), optim=dict(lr=1e-5),
                       loss=dict(beta=0.04), checkpoint=dict(every=1),
-                      rewards=[{"fn": "grpo_core.rewards:target_char_fraction", "weight": 1.0},
-                               {"fn": "grpo_core.rewards:gsm8k_correctness", "weight": 1.0}])
+                      rewards=[{"fn": "grpo_core.data.rewards:target_char_fraction", "weight": 1.0},
+                               {"fn": "grpo_core.data.rewards:gsm8k_correctness", "weight": 1.0}])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "grpo_core.train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "GRPO_MODEL_CACHE": str(cache)}
@@ -152,9 +152,9 @@ def test_a_gsm8k_answer_that_counts_on_to_the_cap_is_counted_looped_not_cut(smol
     """GSM8K test item 53: the start model's greedy answer repeats one sentence with new numbers
     ("The revenue earned ... is 12 * $3160 = $3430.") until the cap. Not a verbatim loop, so
     decoding runs to the cap; ``greedy_results`` counts it as looped, not as cut."""
-    from grpo_core.evaluate import greedy_results
-    from grpo_core.loops import digit_token_ids, looped, repeated_share
-    from grpo_core.tasks import gsm8k
+    from grpo_core.data.tasks import gsm8k
+    from grpo_core.evaluation.greedy import greedy_results
+    from grpo_core.rollout.loops import digit_token_ids, looped, repeated_share
 
     model, tok = smol
     row = gsm8k.rows("test", str(require_gsm8k()), limit=54)[53]

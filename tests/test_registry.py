@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_core.registry import aliases_by_version, decide_promotion, main, register_model
-from grpo_core.served_model import load_model
-from grpo_core.tracking import mlflow_client, start_parent_run
+from grpo_core.tracking.registry import aliases_by_version, decide_promotion, main, register_model
+from grpo_core.tracking.runs import mlflow_client, start_parent_run
+from grpo_core.tracking.served_model import load_model
 
 pytestmark = pytest.mark.usefixtures("no_cwd_writes")  # MLflow must never fall back to the cwd
 
@@ -156,7 +156,7 @@ def test_a_registration_landing_mid_decision_is_decided_against(sqlite_uri, mode
     model keeps @champion (it used to end with v2 champion and v3 with no alias)."""
     from mlflow import MlflowClient
 
-    import grpo_core.registry as registry
+    import grpo_core.tracking.registry as registry
 
     name = "grpo-race"
     assert _register(sqlite_uri, model_dir, 10, name=name)["decision"] == "first"
@@ -183,7 +183,7 @@ def test_a_champion_that_keeps_moving_leaves_the_version_challenger(sqlite_uri, 
     @champion on a stale comparison."""
     from mlflow import MlflowClient
 
-    import grpo_core.registry as registry
+    import grpo_core.tracking.registry as registry
 
     name = "grpo-race-busy"
     assert _register(sqlite_uri, model_dir, 10, name=name)["decision"] == "first"
@@ -238,7 +238,7 @@ def test_registered_model_answers_as_the_evaluation_measured(sqlite_uri, model_d
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_core.evaluate import greedy_results
+    from grpo_core.evaluation.greedy import greedy_results
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -282,8 +282,8 @@ def test_served_model_renders_the_stages_system_prompt(sqlite_uri, tmp_path):
     differently from the same model without it."""
     import torch
 
-    from grpo_core.evaluate import greedy_results
-    from grpo_core.models import build_tiny, load_policy, save_policy
+    from grpo_core.evaluation.greedy import greedy_results
+    from grpo_core.model.loading import build_tiny, load_policy, save_policy
 
     model, tok = build_tiny(hidden=32, layers=1, heads=2, seed=3)
     torch.manual_seed(1)
@@ -321,8 +321,8 @@ def test_first_version_must_beat_the_start_model(sqlite_uri, model_dir, n_right,
 def test_served_model_stops_a_looping_answer_where_the_evaluation_did(sqlite_uri, tmp_path):
     """An answer that repeats itself verbatim: the pyfunc stops it at the same token as the
     evaluation's decoder (loops.LoopRule, restated in the pyfunc's own code), not at its cap."""
-    from grpo_core.evaluate import greedy_results
-    from grpo_core.models import load_policy, save_policy
+    from grpo_core.evaluation.greedy import greedy_results
+    from grpo_core.model.loading import load_policy, save_policy
     from tests.test_loops import _looping_model
 
     model, tok = _looping_model()

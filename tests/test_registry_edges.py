@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from grpo_core.pipeline import RunContext, register
-from grpo_core.pipeline_config import PipelineConfig
-from grpo_core.registry import aliases_by_version, main
-from grpo_core.stats import mcnemar_exact
-from grpo_core.tracking import mlflow_client, start_parent_run
+from grpo_core.config.pipeline import PipelineConfig
+from grpo_core.evaluation.stats import mcnemar_exact
+from grpo_core.pipeline.steps import RunContext, register
+from grpo_core.tracking.registry import aliases_by_version, main
+from grpo_core.tracking.runs import mlflow_client, start_parent_run
 from tests.helpers import REPO
 from tests.test_registry import N, _register, items, model_dir  # noqa: F401  (model_dir: a module fixture)
 
@@ -49,8 +49,7 @@ def test_the_configured_alpha_decides_at_the_boundary(sqlite_uri, model_dir, tmp
 def default_store(tmp_path, _sqlite_template, model_dir, monkeypatch):  # noqa: F811
     """A project whose local default store (.grpo/mlflow/mlflow.db) holds grpo-smollm2 v1, as the
     default run leaves it; MLFLOW_TRACKING_URI unset, as in a new shell."""
-    from grpo_core import registry
-
+    from grpo_core.tracking import registry
     db = tmp_path / "project" / ".grpo" / "mlflow" / "mlflow.db"
     db.parent.mkdir(parents=True)
     shutil.copyfile(_sqlite_template, db)
@@ -68,8 +67,7 @@ def test_compare_finds_the_local_default_store_without_a_uri(default_store, caps
 
 
 def test_compare_with_no_store_says_where_it_looked(tmp_path, monkeypatch):
-    from grpo_core import registry
-
+    from grpo_core.tracking import registry
     monkeypatch.setattr(registry, "PROJECT_DIR", tmp_path / "empty")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     with pytest.raises(SystemExit, match=r"no MLflow store at .*empty/\.grpo/mlflow/mlflow\.db.*--tracking-uri"):
@@ -80,10 +78,10 @@ def test_compare_with_no_store_says_where_it_looked(tmp_path, monkeypatch):
 def test_an_unknown_model_is_one_line_naming_the_registered_ones(default_store):
     with pytest.raises(SystemExit, match=r"no registered model 'grpo-gsm8k' .*registered: grpo-smollm2$"):
         main(["compare", "grpo-gsm8k"])
-    out = subprocess.run([sys.executable, "-m", "grpo_core.registry", "compare", "grpo-gsm8k",
+    out = subprocess.run([sys.executable, "-m", "grpo_core.tracking.registry", "compare", "grpo-gsm8k",
                           "--tracking-uri", default_store], capture_output=True, text=True, timeout=120,
                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr.strip().splitlines() == [
-        f"python -m grpo_core.registry: error: no registered model 'grpo-gsm8k' in {default_store}; "
+        f"python -m grpo_core.tracking.registry: error: no registered model 'grpo-gsm8k' in {default_store}; "
         "registered: grpo-smollm2"], out.stderr

@@ -23,11 +23,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from grpo_core import checkpoint, storage
-from grpo_core.config_checks import ConfigError
-from grpo_core.pipeline_config import PipelineConfig, deep_merge
-from grpo_core.train import main
-from grpo_core.trainer import NonFiniteError
+from grpo_core.config.checks import ConfigError
+from grpo_core.config.pipeline import PipelineConfig, deep_merge
+from grpo_core.io import storage
+from grpo_core.train import checkpoint
+from grpo_core.train.entry import main
+from grpo_core.train.trainer import NonFiniteError
 from tests import faulty_rewards
 from tests.conftest import S3_ENV, free_port, start_moto
 from tests.faults import InjectedFault, crash_after_iteration
@@ -325,8 +326,8 @@ def test_a_rank_on_another_node_fetches_rank_0s_checkpoint_from_storage(s3, tmp_
     a rank that cannot see that path loads the same checkpoint from the stage's storage."""
     from types import SimpleNamespace
 
-    from grpo_core.dist import DistInfo
-    from grpo_core.stage_checkpoints import StageCheckpoints
+    from grpo_core.policy.dist import DistInfo
+    from grpo_core.train.stage_checkpoints import StageCheckpoints
 
     stage = "s3://ckpts/other-node"
     _put_checkpoint(tmp_path, storage.join(stage, "checkpoints"), 2)
@@ -424,7 +425,7 @@ def test_training_completes_while_the_mlflow_server_is_down(tiny, tmp_path, monk
     """Nothing listens at the tracking URI (a dead server: connection refused on every call).
     The retry budget is shortened from 5 tries with 0.5 s backoff (15.5 s per flush) to keep
     the test fast; the tracker and the failures are real."""
-    from grpo_core.tracking_logger import MlflowTracker
+    from grpo_core.tracking.logger import MlflowTracker
 
     monkeypatch.setattr(MlflowTracker.__init__, "__kwdefaults__",
                         {**MlflowTracker.__init__.__kwdefaults__, "max_retries": 1, "backoff_s": 0.05})
@@ -446,7 +447,7 @@ def test_an_outage_then_a_crash_loses_no_point_and_no_param(tiny, tmp_path, monk
     point once, also when the history is resent a second time."""
     from mlflow import MlflowClient
 
-    from grpo_core.tracking_logger import MlflowTracker
+    from grpo_core.tracking.logger import MlflowTracker
 
     monkeypatch.setattr(MlflowTracker.__init__, "__kwdefaults__",
                         {**MlflowTracker.__init__.__kwdefaults__, "max_retries": 1, "backoff_s": 0.05})
@@ -475,8 +476,8 @@ def test_points_kept_during_an_outage_are_replayed_by_a_later_step(tiny, tmp_pat
     reachable, each once even when replayed twice."""
     from mlflow import MlflowClient
 
-    from grpo_core.pipeline import replay_tracking
-    from grpo_core.tracking_logger import MlflowTracker
+    from grpo_core.pipeline.steps import replay_tracking
+    from grpo_core.tracking.logger import MlflowTracker
 
     monkeypatch.setattr(MlflowTracker.__init__, "__kwdefaults__",
                         {**MlflowTracker.__init__.__kwdefaults__, "max_retries": 1, "backoff_s": 0.05})
@@ -501,8 +502,9 @@ DISK_FULL = r"""
 import json, os, resource, signal, sys
 from pathlib import Path
 import torch
-from grpo_core import checkpoint, storage
-from grpo_core.models import build_tiny, save_policy
+from grpo_core.train import checkpoint
+from grpo_core.io import storage
+from grpo_core.model.loading import build_tiny, save_policy
 root = Path(sys.argv[1])
 torch.manual_seed(0)
 model = torch.nn.Linear(64, 64)
@@ -553,7 +555,7 @@ def test_checkpoints_and_saved_models_reach_the_disk_before_their_rename(tmp_pat
     """Power loss is not reproducible here, so this checks the order of the system calls that make
     a rename durable: every file of the new directory (and the directory) is fsynced before it is
     renamed into place, and the parent directory after (so the new name itself survives)."""
-    from grpo_core.models import build_tiny, save_policy
+    from grpo_core.model.loading import build_tiny, save_policy
 
     events, real_fsync, real_replace = [], os.fsync, os.replace
 
@@ -633,7 +635,7 @@ GOOD = {"question": "Tom has 2 apples and buys 3. How many?", "answer": "2+3=5\n
      r"train\.jsonl row 1 \(0-based\): gold answer is not a number"),
 ])
 def test_bad_gsm8k_files_name_the_file_and_row(tmp_path, files, match):
-    from grpo_core.tasks.gsm8k import load
+    from grpo_core.data.tasks.gsm8k import load
 
     d = tmp_path / "gsm8k"
     if files is not None:
@@ -692,7 +694,7 @@ def test_a_rank_stuck_outside_collectives_fails_the_stage_after_collective_timeo
 
 
 def test_only_collective_timeouts_are_restated():
-    from grpo_core.dist import as_timeout_error
+    from grpo_core.policy.dist import as_timeout_error
 
     gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
                         "Timed out waiting 5000ms for recv operation to complete")
@@ -709,7 +711,7 @@ def _tweak_tokenizer(d: Path, **fields) -> None:
 def test_model_source_kinds_hub_ids_dirs_and_missing_paths(tiny, tmp_path, monkeypatch):
     """org/name is a hub id (the Kubernetes config's default), an existing dir is loaded from,
     anything path-like that does not exist is an error naming it."""
-    from grpo_core.models import _local_model_dir, load_policy
+    from grpo_core.model.loading import _local_model_dir, load_policy
 
     for hub_id in ("Qwen/Qwen2.5-0.5B-Instruct", "gpt2", "openai-community/gpt2"):
         assert _local_model_dir(hub_id) == hub_id
@@ -726,7 +728,7 @@ def test_model_source_kinds_hub_ids_dirs_and_missing_paths(tiny, tmp_path, monke
 def test_bad_model_dirs_are_errors_naming_the_dir_and_fix(tiny, tmp_path):
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
-    from grpo_core.models import build_char_tokenizer, load_policy
+    from grpo_core.model.loading import build_char_tokenizer, load_policy
 
     with pytest.raises(FileNotFoundError, match=r"model path '.*/missing' does not exist"):
         load_policy(str(tmp_path / "missing"))
@@ -770,7 +772,7 @@ def test_bad_model_dirs_are_errors_naming_the_dir_and_fix(tiny, tmp_path):
 
 def test_rewards_beyond_float32_are_an_error_not_a_silent_inf():
     """1e39 is finite in Python but inf in the trainer's float32 reward tensor."""
-    from grpo_core.rewards import combine_rewards
+    from grpo_core.data.rewards import combine_rewards
 
     args = (["q", "q"], ["a", "b"], {})
     with pytest.raises(ValueError, match=r"weighted reward at index 1 is 1e\+39, outside the float32 range.*rescale"):
@@ -785,8 +787,8 @@ def test_checkpoints_and_saved_models_unwrap_the_ddp_scorer_and_keep_the_optimiz
     """The trainer hands DDP a CompletionScorer: whatever layer is passed in, checkpoints and saved
     models hold the bare model's keys. A checkpoint written with one AdamW implementation resumes
     with the one this machine runs (the saved flag does not override it)."""
-    from grpo_core.models import build_tiny, save_policy, unwrap
-    from grpo_core.scoring import CompletionScorer
+    from grpo_core.model.loading import build_tiny, save_policy, unwrap
+    from grpo_core.policy.scoring import CompletionScorer
 
     model, tok = build_tiny("llama", 32, 1, 2, seed=0)
     wrapped = CompletionScorer(model)
@@ -803,7 +805,7 @@ def test_checkpoints_and_saved_models_unwrap_the_ddp_scorer_and_keep_the_optimiz
 
 
 def test_sampling_from_a_diverged_policy_is_an_error_not_a_token():
-    from grpo_core.decode import sample_inverse_cdf
+    from grpo_core.rollout.decode import sample_inverse_cdf
 
     for row in ([float("nan"), 0.5, 0.5], [1.0, float("inf"), 0.0], [0.0, 0.0, 0.0]):
         with pytest.raises(ValueError, match="row 1 .*not a distribution.*NaN/inf"):
@@ -814,7 +816,7 @@ def test_collectives_run_where_the_backend_reduces():
     """nccl reduces CUDA tensors only: helpers called without a device (the non-finite check, the
     dynamic-sampling refill vote) must not build a CPU tensor there. Without a process group or
     on gloo that is the CPU; a device passed in wins."""
-    from grpo_core.dist import collective_device
+    from grpo_core.policy.dist import collective_device
 
     assert collective_device() == torch.device("cpu")
     assert collective_device("meta") == torch.device("meta")

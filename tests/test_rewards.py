@@ -1,4 +1,4 @@
-"""Tests for grpo_core.rewards: answer extraction, gsm8k reward table, adversarial inputs, reward plumbing."""
+"""Tests for grpo_core.data.rewards: answer extraction, gsm8k reward table, adversarial inputs, reward plumbing."""
 
 import doctest
 import math
@@ -8,9 +8,9 @@ from fractions import Fraction
 
 import pytest
 
-from grpo_core import answers, rewards
-from grpo_core.answers import extract_answer, format_ok, gold_value, is_correct, parse_number
-from grpo_core.rewards import (
+from grpo_core.data import answers, rewards
+from grpo_core.data.answers import extract_answer, format_ok, gold_value, is_correct, parse_number
+from grpo_core.data.rewards import (
     CORRECT_REWARD,
     FORMAT_BONUS,
     MAX_REWARD,
@@ -272,17 +272,17 @@ def test_target_char_fraction():
 
 
 def test_load_reward_fn_success():
-    assert load_reward_fn("grpo_core.rewards:format_reward") is format_reward
+    assert load_reward_fn("grpo_core.data.rewards:format_reward") is format_reward
 
 
 @pytest.mark.parametrize(
     "path,hint",
     [
-        ("grpo_core.rewards.format_reward", "package.module:function"),  # missing colon
+        ("grpo_core.data.rewards.format_reward", "package.module:function"),  # missing colon
         (":format_reward", "package.module:function"),
         ("grpo_core.no_such_module:fn", "cannot import"),
-        ("grpo_core.rewards:no_such_fn", "no attribute"),
-        ("grpo_core.rewards:FORMAT_BONUS", "not callable"),
+        ("grpo_core.data.rewards:no_such_fn", "no attribute"),
+        ("grpo_core.data.rewards:FORMAT_BONUS", "not callable"),
     ],
 )
 def test_load_reward_fn_errors(path, hint):
@@ -292,10 +292,10 @@ def test_load_reward_fn_errors(path, hint):
 
 
 def test_reward_spec_validates_weight():
-    assert RewardSpec("grpo_core.rewards:format_reward").weight == 1.0
+    assert RewardSpec("grpo_core.data.rewards:format_reward").weight == 1.0
     for bad in (math.nan, math.inf, "1", None, True):
         with pytest.raises(ValueError, match="finite"):
-            RewardSpec("grpo_core.rewards:format_reward", bad)
+            RewardSpec("grpo_core.data.rewards:format_reward", bad)
     with pytest.raises(ValueError, match="package.module:function"):
         RewardSpec(format_reward)
     with pytest.raises(AttributeError):
@@ -303,14 +303,15 @@ def test_reward_spec_validates_weight():
 
 
 def test_combine_rewards_weights():
-    specs = [RewardSpec("grpo_core.rewards:gsm8k_correctness"), RewardSpec("grpo_core.rewards:format_reward", -0.5)]
+    specs = [RewardSpec("grpo_core.data.rewards:gsm8k_correctness"),
+             RewardSpec("grpo_core.data.rewards:format_reward", -0.5)]
     completions = ["<answer>4</answer>", "4", "<answer>5</answer>"]
     totals, parts = combine_rewards(specs, ["q"] * 3, completions, {"gold": [4, 4, 4]})
     # 1.2 - 0.5*0.2, 1.0 - 0, 0.2 - 0.5*0.2
     assert totals == pytest.approx([1.1, 1.0, 0.1])
     assert parts == {
-        "grpo_core.rewards:gsm8k_correctness": [1.2, 1.0, 0.2],
-        "grpo_core.rewards:format_reward": [0.2, 0.0, 0.2],
+        "grpo_core.data.rewards:gsm8k_correctness": [1.2, 1.0, 0.2],
+        "grpo_core.data.rewards:format_reward": [0.2, 0.0, 0.2],
     }
     resolved = resolve_specs(specs)  # resolve once, reuse
     assert [(w, n) for _, w, n in resolved] == [(1.0, specs[0].fn), (-0.5, specs[1].fn)]

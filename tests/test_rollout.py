@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from grpo_core.models import build_tiny
-from grpo_core.rollout import completion_mask, encode_prompts, generate_rollouts, stop_token_ids
-from grpo_core.scoring import completion_logprobs, forward_inputs
-from grpo_core.types import RolloutBatch
+from grpo_core.model.loading import build_tiny
+from grpo_core.policy.scoring import completion_logprobs, forward_inputs
+from grpo_core.rollout.batch import RolloutBatch
+from grpo_core.rollout.generate import completion_mask, encode_prompts, generate_rollouts, stop_token_ids
 
 ROWS = [{"id": "a", "prompt": "What is 3 + 4?", "gold": "7"},
         {"id": "b", "prompt": "A much longer question so the batch is left padded: 12 * 11?", "gold": "132"}]

@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-from grpo_core import config, losses
-from grpo_core.iteration_metrics import add_mismatch, mismatch_metrics, new_mismatch
-from grpo_core.losses import grpo_loss, rollout_is_weights
+from grpo_core.algo import losses
+from grpo_core.algo.losses import grpo_loss, rollout_is_weights
+from grpo_core.config import stage as config
+from grpo_core.train.iteration_metrics import add_mismatch, mismatch_metrics, new_mismatch
 
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -1.0]])
 SAMPLER = torch.tensor([[-1.5, -1.0, -9.0], [-1.0, -1.0, -1.0]])  # -9: off the mask, never read
@@ -88,10 +89,10 @@ def test_mismatch_metrics_merge_micro_batches_and_ranks():
 
 
 def test_the_in_process_engine_gives_no_sampler_logprobs_and_its_card_says_so(tiny):
-    from grpo_core import engines
-    from grpo_core.config import GRPOConfig
-    from grpo_core.models import load_policy
-    from grpo_core.objective import objective_card
+    from grpo_core.algo.objective import objective_card
+    from grpo_core.config.stage import GRPOConfig
+    from grpo_core.model.loading import load_policy
+    from grpo_core.rollout import engines
 
     model, tok = load_policy(str(tiny))
     engine = engines.build("auto", tok)

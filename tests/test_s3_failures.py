@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 from botocore.exceptions import EndpointConnectionError
 
-from grpo_core import checkpoint, storage
+from grpo_core.io import storage
+from grpo_core.train import checkpoint
 from tests.test_reliability import DroppingProxy, _put_checkpoint, _small_state, moto, s3  # noqa: F401
 
 ROOT = "s3://ckpts/failures"

@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from grpo_core.sampled_eval import (
+from grpo_core.evaluation.sampled import (
     EXACT_UP_TO,
     compare_sampled,
     paired_sign_flip_p,
@@ -14,7 +14,7 @@ from grpo_core.sampled_eval import (
     sampled_results,
     summarize_sampled,
 )
-from grpo_core.stats import mcnemar_exact
+from grpo_core.evaluation.stats import mcnemar_exact
 
 
 def _brute_pass_at_k(n, c, k):
@@ -92,7 +92,7 @@ def test_compare_sampled_pairs_items_by_id():
 
 
 def test_sampled_results_are_seeded_and_graded_per_item(tiny):
-    from grpo_core.models import load_policy
+    from grpo_core.model.loading import load_policy
 
     model, tok = load_policy(str(tiny))
     rows = [{"id": f"r{i}", "prompt": f"What is {i} + 1?", "gold": str(i + 1), "steps": i % 3} for i in range(5)]

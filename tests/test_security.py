@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_core import checkpoint
-from grpo_core.config import GRPOConfig
-from grpo_core.models import load_policy
-from grpo_core.pipeline_config import PipelineConfig
+from grpo_core.config.pipeline import PipelineConfig
+from grpo_core.config.stage import GRPOConfig
+from grpo_core.model.loading import load_policy
+from grpo_core.train import checkpoint
 
 
 class CodeOnUnpickle:

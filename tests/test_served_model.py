@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_core.registry import register_model
-from grpo_core.served_model import load_model
-from grpo_core.tracking import start_parent_run
+from grpo_core.tracking.registry import register_model
+from grpo_core.tracking.runs import start_parent_run
+from grpo_core.tracking.served_model import load_model
 from tests.test_registry import evals, model_dir  # noqa: F401  (model_dir: a module fixture)
 
 pytestmark = pytest.mark.usefixtures("no_cwd_writes")
@@ -44,7 +44,7 @@ def served(sqlite_uri, checkpoint):
 
 
 def test_without_a_chat_template_it_answers_as_the_evaluation_item_by_item(served, checkpoint):
-    from grpo_core.evaluate import greedy_results
+    from grpo_core.evaluation.greedy import greedy_results
 
     _, model, tok = checkpoint
     answers = load_model(served, "grpo-served").predict(QUESTIONS)

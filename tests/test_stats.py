@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from grpo_core.stats import (
+from grpo_core.evaluation.stats import (
     accuracy,
     binomial_two_sided_p,
     mcnemar_exact,

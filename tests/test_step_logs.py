@@ -7,7 +7,7 @@ from tests.helpers import REPO, tiny_model_dir
 
 LOAD = """
 import sys
-from grpo_core.models import load_policy
+from grpo_core.model.loading import load_policy
 model, tok = load_policy(sys.argv[1])
 model, tok = load_policy(sys.argv[1])  # a reference model, loaded again in the same process
 print("loaded", type(model).__name__, len(tok))

@@ -7,7 +7,8 @@ import signal
 
 import pytest
 
-from grpo_core.tracking import (
+from grpo_core.tracking.logger import MlflowTracker, Tracker, open_tracker
+from grpo_core.tracking.runs import (
     finish_run,
     flatten_params,
     log_dataset,
@@ -16,7 +17,6 @@ from grpo_core.tracking import (
     start_child_run,
     start_parent_run,
 )
-from grpo_core.tracking_logger import MlflowTracker, Tracker, open_tracker
 
 pytestmark = pytest.mark.usefixtures("no_cwd_writes")  # MLflow must never fall back to the cwd
 
@@ -249,9 +249,9 @@ def test_known_outage_costs_one_probe_per_call_not_a_full_backoff(mlflow_server)
 
 def test_a_rerun_of_the_evaluation_logging_adds_no_second_point(sqlite_uri):
     """join_evaluations run again (its task failed after logging): every accuracy stays one point."""
-    from grpo_core.evaluation_step import log_evaluation
-    from grpo_core.pipeline import RunContext
-    from grpo_core.tracking import start_parent_run
+    from grpo_core.pipeline.evaluation_step import log_evaluation
+    from grpo_core.pipeline.steps import RunContext
+    from grpo_core.tracking.runs import start_parent_run
 
     parent = start_parent_run(sqlite_uri, "rerun", {"grpo.config": "t"})
     ctx = RunContext("F", "1", None, "/tmp/unused", sqlite_uri, parent)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_core.config_checks import ConfigError
-from grpo_core.pipeline_config import deep_merge
-from grpo_core.train import load_config, main
+from grpo_core.config.checks import ConfigError
+from grpo_core.config.pipeline import deep_merge
+from grpo_core.train.entry import load_config, main
 from tests.faults import InjectedFault, crash_after_iteration, crash_before_final_model
 from tests.helpers import REPO, SEVENS, same_weights, stage_args
 
@@ -112,8 +112,9 @@ def test_a_copy_cut_short_is_republished_and_the_chain_reaches_the_first_attempt
     it resumes at 4; and republishing replaces B's partial copy instead of skipping the name."""
     import shutil
 
-    from grpo_core import checkpoint, storage
-    from grpo_core.pipeline import RESUME_CHAIN, resume_chain
+    from grpo_core.io import storage
+    from grpo_core.pipeline.steps import RESUME_CHAIN, resume_chain
+    from grpo_core.train import checkpoint
 
     sync = {r: str(tmp_path / "store" / r) for r in "ABC"}
     with crash_after_iteration(5), pytest.raises(InjectedFault):
@@ -133,8 +134,8 @@ def test_a_copy_cut_short_is_republished_and_the_chain_reaches_the_first_attempt
 
 
 COMPILED_RUN = """import sys, torch
-from grpo_core.models import unwrap
-from grpo_core.train import main
+from grpo_core.model.loading import unwrap
+from grpo_core.train.entry import main
 main(sys.argv[1:])
 bare = torch.nn.Linear(2, 2)
 print("UNWRAP", unwrap(torch.compile(bare)) is bare)
@@ -172,9 +173,9 @@ def test_compiled_scoring_gives_the_eager_update(tiny, tmp_path):
 def test_divergence_alarm_is_reported_once_per_evaluation(tiny, tmp_path, capsys):
     """The alarm reads evaluation points only: it is printed at the evaluation that raises it, not
     again on every iteration until the next one (the default run printed one alarm 25 times)."""
-    from grpo_core import dist
-    from grpo_core.train import load_config
-    from grpo_core.trainer import Trainer
+    from grpo_core.policy import dist
+    from grpo_core.train.entry import load_config
+    from grpo_core.train.trainer import Trainer
 
     overrides = [a.removeprefix("--set=") for a in _stage(tiny, tmp_path, loss=dict(beta=0.0), sample_every=1000)]
     trainer = Trainer(load_config(None, overrides), dist.init())
@@ -194,7 +195,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tiny, tmp_path):
     main(_stage(tiny, tmp_path, iterations=4, checkpoint=dict(keep=3)))
     latest = tmp_path / "checkpoints" / "ckpt-000004" / "model.safetensors"
     latest.write_bytes(latest.read_bytes()[:-100])  # truncated
-    from grpo_core import checkpoint
+    from grpo_core.train import checkpoint
     with pytest.warns(UserWarning, match="checksum"):
         found = checkpoint.latest_local(tmp_path / "checkpoints")
     assert found.name == "ckpt-000002"
@@ -286,8 +287,8 @@ def test_torchrun_a_rank_with_nothing_in_the_loss_leaves_the_update_of_the_other
 def test_micro_batches_give_the_full_batch_update_for_every_loss_type(tiny, tmp_path, loss_type):
     """One process, 4 groups, beta > 0, mask_truncated, mu=2: the update in micro-batches of 1 and
     of 3 groups (uneven parts) gives the whole batch's gradients and logged statistics."""
-    from grpo_core import dist
-    from grpo_core.trainer import Trainer
+    from grpo_core.policy import dist
+    from grpo_core.train.trainer import Trainer
     from tests.helpers import fixed_rollout_batch
 
     results = {}
@@ -317,8 +318,8 @@ def test_micro_batches_give_the_full_batch_update_for_every_loss_type(tiny, tmp_
 
 
 def _in_process_trainer(tiny, out, **kw):
-    from grpo_core import dist
-    from grpo_core.trainer import Trainer
+    from grpo_core.policy import dist
+    from grpo_core.train.trainer import Trainer
 
     return Trainer(load_config(None, [a.removeprefix("--set=") for a in _stage(tiny, out, **kw)]), dist.init())
 
@@ -404,7 +405,7 @@ def test_dynamic_sampling_with_nothing_informative_leaves_every_row_out_of_the_l
 def test_reward_function_metrics_are_means_over_the_rows_they_apply_to(tiny, tmp_path):
     """reward/<fn> is each function's mean over the rows it returned a number for (it was the
     sum over rows divided by the update's token count)."""
-    from grpo_core.rewards import target_char_fraction
+    from grpo_core.data.rewards import target_char_fraction
 
     trainer = _in_process_trainer(tiny, tmp_path, rewards=SEVENS + [
         {"fn": "tests.faulty_rewards:sevens_on_even_rows", "weight": 0.5}],
@@ -422,8 +423,8 @@ def test_reward_function_metrics_are_means_over_the_rows_they_apply_to(tiny, tmp
 def test_prompts_that_do_not_split_across_ranks_are_refused_not_dropped(tiny, tmp_path):
     """3 prompts on 2 ranks: sharding would drop one every iteration, silently (only the pipeline
     config checked this; ``python -m grpo_core.train`` under torchrun did not)."""
-    from grpo_core import dist
-    from grpo_core.trainer import Trainer
+    from grpo_core.policy import dist
+    from grpo_core.train.trainer import Trainer
 
     cfg = load_config(None, [a.removeprefix("--set=") for a in _stage(tiny, tmp_path, prompts_per_iter=3)])
     with pytest.raises(ConfigError, match=r"stage 'grpo'\.prompts_per_iter: 3 prompts cannot be split across 2 ranks"):
@@ -432,7 +433,7 @@ def test_prompts_that_do_not_split_across_ranks_are_refused_not_dropped(tiny, tm
 
 def test_the_validation_accuracy_says_how_many_items_it_is_over(tiny, tmp_path):
     """eval_size 500 asks for more arithmetic validation items than there are: eval_n says how many."""
-    from grpo_core.data import eval_rows
+    from grpo_core.data.prompts import eval_rows
 
     main(_stage(tiny, tmp_path, iterations=2, validation=dict(every=2, size=500), task="arithmetic"))
     rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -446,7 +447,7 @@ def test_dropout_is_off_in_the_policy_unless_asked_for(tmp_path):
     sampled, the old and the updated policy are one network); disable_dropout=false keeps it."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from grpo_core.models import build_tiny
+    from grpo_core.model.loading import build_tiny
 
     _, tok = build_tiny("llama", 16, 1, 2, seed=0)
     GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=128,
@@ -539,7 +540,7 @@ def test_system_prompt_reaches_rollouts_evaluation_and_the_objective_card(tiny, 
     sample through ``rollout.render_prompts``; the samples log shows which prompt text was used."""
     from transformers import AutoTokenizer
 
-    from grpo_core.rollout import render_prompts
+    from grpo_core.rollout.generate import render_prompts
 
     system = "You add numbers."
     main(_stage(tiny, tmp_path, iterations=1, optim=dict(mu=1), system_prompt=system,
@@ -553,8 +554,8 @@ def test_system_prompt_reaches_rollouts_evaluation_and_the_objective_card(tiny, 
     assert render_prompts(tok, [question], system) == [rendered]
     assert render_prompts(tok, [question]) != [rendered]  # no system turn without one
 
-    from grpo_core import dist
-    from grpo_core.trainer import Trainer
+    from grpo_core.policy import dist
+    from grpo_core.train.trainer import Trainer
 
     cfg = load_config(None, [a.removeprefix("--set=") for a in
                              _stage(tiny, tmp_path / "again", system_prompt=system, task="arithmetic")])

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from grpo_core.gate import PromotionGate
-from grpo_core.iteration_metrics import TOKEN_MEANS, iteration_metrics, local_sums
-from grpo_core.types import RolloutBatch
+from grpo_core.rollout.batch import RolloutBatch
+from grpo_core.train.gate import PromotionGate
+from grpo_core.train.iteration_metrics import TOKEN_MEANS, iteration_metrics, local_sums
 
 
 def _batch(rewards, lengths, truncated, parts):

@@ -13,12 +13,12 @@ import time
 import pytest
 import torch
 
-from grpo_core import engines
-from grpo_core.config import GRPOConfig
-from grpo_core.config_checks import ConfigError
-from grpo_core.models import build_tiny, save_policy
-from grpo_core.scoring import completion_logprobs
-from grpo_core.vllm_server import VllmServer, VllmServerError
+from grpo_core.config.checks import ConfigError
+from grpo_core.config.stage import GRPOConfig
+from grpo_core.model.loading import build_tiny, save_policy
+from grpo_core.policy.scoring import completion_logprobs
+from grpo_core.rollout import engines
+from grpo_core.rollout.vllm_server import VllmServer, VllmServerError
 
 TEMPERATURE = 0.9
 ROWS = [{"prompt": "1+2=", "gold": "3"}, {"prompt": "7*3", "gold": "21"}, {"prompt": "9-4", "gold": "5"}]
@@ -148,7 +148,7 @@ def test_a_taken_port_is_a_clear_error_before_anything_starts(served, tmp_path):
 
 
 def test_a_model_vllm_cannot_load_is_a_clear_error_with_its_log_within_the_wait(tmp_path):
-    from grpo_core.vllm_engine import vllm_python
+    from grpo_core.rollout.vllm_engine import vllm_python
 
     model, tok = build_tiny("llama", hidden=64, layers=1, heads=2)
     save_policy(model, tok, tmp_path / "m")
@@ -164,7 +164,7 @@ def test_a_model_vllm_cannot_load_is_a_clear_error_with_its_log_within_the_wait(
 def test_a_server_that_does_not_answer_in_time_is_stopped_with_a_clear_error(tmp_path):
     model, tok = build_tiny("llama", hidden=64, layers=1, heads=2)
     save_policy(model, tok, tmp_path / "m")
-    from grpo_core.vllm_engine import vllm_python
+    from grpo_core.rollout.vllm_engine import vllm_python
 
     server = VllmServer(vllm_python(""), str(tmp_path / "m"), ["--kv-cache-memory-bytes", str(64 << 20)],
                         startup_timeout_s=3, log_path=tmp_path / "log")
@@ -175,7 +175,7 @@ def test_a_server_that_does_not_answer_in_time_is_stopped_with_a_clear_error(tmp
 
 ORPHAN_SCRIPT = textwrap.dedent("""
     import sys, time
-    from grpo_core.vllm_server import VllmServer
+    from grpo_core.rollout.vllm_server import VllmServer
     server = VllmServer(sys.argv[1], sys.argv[2], [], startup_timeout_s=600, log_path=sys.argv[3])
     server.start()
 """)
@@ -186,7 +186,7 @@ def test_a_killed_parent_takes_its_starting_server_with_it(tmp_path):
     stop the server (here while it starts up, the longest window)."""
     model, tok = build_tiny("llama", hidden=64, layers=1, heads=2)
     save_policy(model, tok, tmp_path / "m")
-    from grpo_core.vllm_engine import vllm_python
+    from grpo_core.rollout.vllm_engine import vllm_python
 
     parent = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT, vllm_python(""), str(tmp_path / "m"),
                                str(tmp_path / "log")], env={**os.environ, "PYTHONPATH": os.getcwd()})
@@ -219,8 +219,8 @@ KILL = {"at_call": 0, "calls": 0}
 
 def sevens_killing_the_server(prompts, completions, **kw):
     """The SEVENS reward, which SIGKILLs this process's vLLM servers on call ``KILL['at_call']``."""
-    from grpo_core import vllm_server
-    from grpo_core.rewards import target_char_fraction
+    from grpo_core.data.rewards import target_char_fraction
+    from grpo_core.rollout import vllm_server
 
     KILL["calls"] += 1
     if KILL["calls"] == KILL["at_call"]:
@@ -234,7 +234,7 @@ def test_a_stage_on_vllm_survives_its_server_being_killed_by_resuming(tmp_path, 
     """A GRPO stage with rollout_engine = "vllm": its server killed mid-stage is a clear error; the
     rerun resumes from the last checkpoint on a new server and finishes, with vLLM's log-probs
     agreeing with the trainer's every iteration (a weight sync that failed would show here)."""
-    from grpo_core.train import main
+    from grpo_core.train.entry import main
     from tests.helpers import stage_args
 
     model, tok = build_tiny("llama", hidden=64, layers=2, heads=2, seed=2)
