@@ -31,13 +31,13 @@ def test_readme_registry_example_names_the_model_the_default_registers():
     from grpo_core.pipeline_config import PipelineConfig
 
     registered = PipelineConfig.from_dict(local).register.model_name
-    examples = re.findall(r"python -m grpo_core\.registry compare (\S+)", README)
+    examples = re.findall(r"python -m grpo_core\.tracking\.registry compare (\S+)", README)
     assert examples and set(examples) == {registered}, (examples, registered)
 
 
 def test_readme_mlflow_ui_opens_the_store_the_flow_and_the_registry_cli_use(monkeypatch):
     """README's `mlflow ui --backend-store-uri sqlite:///$PWD/...`, typed in the repo root, opens
-    the db the flow's start and `python -m grpo_core.registry compare` resolve by default."""
+    the db the flow's start and `python -m grpo_core.tracking.registry compare` resolve by default."""
     from grpo_core import registry
     from grpo_core.pipeline import PROJECT_DIR
     from grpo_core.tracking import resolve_tracking_uri
