@@ -216,18 +216,18 @@ def test_the_stage_table_names_each_stage_once_with_a_known_task():
         stage("warmup")
 
 
-def test_the_readme_config_reference_is_the_one_generated_from_the_field_docstrings():
-    """Fields are documented once, in their docstrings: README's reference block must be exactly
-    what ``python -m grpo_core.config.reference`` makes of them, and every field must have one."""
+def test_the_configuration_page_reference_is_the_one_generated_from_the_field_docstrings():
+    """Fields are documented once, in their docstrings: docs/configuration.md's reference block
+    must be exactly what the generator makes of them, and every field must have one."""
     import dataclasses
 
     from grpo_core.config.pipeline import ComputeConfig, EvalConfig, RegisterConfig, SFTConfig
-    from grpo_core.config.reference import TABLES, field_docs, reference, replaced
+    from grpo_core.config.reference import DEFAULT_TARGET, TABLES, field_docs, reference, replaced
     from grpo_core.config.stage import GROUPS, StageRuntime
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    fix = "python -m grpo_core.config.reference --write README.md"
-    assert replaced(readme) == readme, f"README's config reference drifted from the docstrings: {fix}"
+    page = (Path(__file__).resolve().parents[1] / DEFAULT_TARGET).read_text()
+    fix = "python -m grpo_core.config.reference --write"
+    assert replaced(page) == page, f"{DEFAULT_TARGET}'s config reference drifted from the docstrings: {fix}"
     for cls in (PipelineConfig, ComputeConfig, SFTConfig, GRPOConfig, *GROUPS.values(), StageRuntime, EvalConfig,
                 RegisterConfig):
         docs = field_docs(cls)
@@ -237,5 +237,5 @@ def test_the_readme_config_reference_is_the_one_generated_from_the_field_docstri
     assert "| `micro_batch_groups` | `0` |" in table and "| `primary` | `\"gsm8k_test\"` |" in table
     assert "`tracking_run_id`" in table.split("Filled in by the flow")[1]  # runtime fields listed, not tabled
     assert "| `tracking_run_id` |" not in table
-    edited = readme.replace("| `lr` | `0.0001` |", "| `lr` | `0.001` |")
-    assert edited != readme and replaced(edited) == readme  # a hand edit is what the test catches
+    edited = page.replace("| `lr` | `0.0001` |", "| `lr` | `0.001` |")
+    assert edited != page and replaced(edited) == page  # a hand edit is what the test catches

@@ -31,7 +31,7 @@ def test_readme_registry_example_names_the_model_the_default_registers():
     from grpo_core.config.pipeline import PipelineConfig
 
     registered = PipelineConfig.from_dict(local).register.model_name
-    examples = re.findall(r"python -m grpo_core\.registry compare (\S+)", README)
+    examples = re.findall(r"python -m grpo_core\.tracking\.registry compare (\S+)", README)
     assert examples and set(examples) == {registered}, (examples, registered)
 
 

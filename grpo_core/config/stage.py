@@ -114,7 +114,7 @@ class LossSettings:
     type: str = "dapo"
     """The policy loss, one entry of `losses.LOSS_TYPES`: grpo | bnpo | dapo | dr_grpo (PPO clip per
     token, four aggregations), gspo (one clipped ratio per sequence), cispo (clipped, detached IS
-    weight per token). The objective section of README.md has each one's formula and paper."""
+    weight per token). docs/objective.md has each one's formula and paper."""
     beta: float = 0.04
     """KL coefficient (k3 estimator, per token); 0 skips the reference model entirely."""
     clip_low: float = 0.2

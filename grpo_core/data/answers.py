@@ -21,7 +21,7 @@ numbers).
 An integer gold is matched with an absolute tolerance of 1e-6 (so 1,449,999 is not 1,450,000); any other
 gold with a relative tolerance of 1e-6 * max(1, |gold|).
 Parsing uses ``str.find``/``count`` and small regexes without nested quantifiers, so it is
-linear in the input: 200k characters of adversarial text take milliseconds.
+linear in the input (timings on adversarial text: benchmarks/NOTES.md).
 
 """
 

@@ -54,7 +54,7 @@ def fast_decode_supported(model) -> bool:
 
 def cache_kwarg(model) -> str:
     """transformers 5.x renamed ``past_key_values`` to ``cache``; accept either (looked up once
-    per forward function: ``inspect.signature`` costs ~0.15 ms, and scoring calls the model ~8 times a step)."""
+    per forward function, not per call: benchmarks/NOTES.md)."""
     forward = getattr(model, "_orig_mod", model).forward  # torch.compile's wrapper: the model's own
     return _forward_cache_kwarg(getattr(forward, "__func__", forward))  # the function, not a fresh bound method
 
@@ -120,9 +120,8 @@ def _single_query_attention(q, keys_t, values, bias, scale: float):
 
     q [b, rep, D], keys_t [b, D, L] (keys stored transposed: the GEMV reads them in order),
     values [b, L, D], bias [b, 1, L] (0, or -inf at prompt padding); b = rows x KV heads.
-    SDPA's CPU flash kernel is built for many queries; with one query per row it cost ~0.7 ms
-    per call here (a quarter of decoding). Same math; the values differ from SDPA's only by
-    summation order (~1e-7).
+    SDPA's CPU flash kernel is built for many queries, not one per row (benchmarks/NOTES.md).
+    Same math; the values differ from SDPA's only by summation order (~1e-7).
     """
     scores = torch.baddbmm(bias, q, keys_t, alpha=scale)                      # [b, rep, L]
     return torch.bmm(torch.softmax(scores, dim=-1), values)                   # [b, rep, D]

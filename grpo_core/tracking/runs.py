@@ -7,7 +7,8 @@ re-opened by id with ``MlflowClient`` (never the fluent active-run stack), and
 
 The buffered, outage-safe metric logger the trainer uses lives in ``tracking_logger``.
 
-mlflow is imported inside functions only: ``import grpo_core`` must stay fast (mlflow takes ~2 s).
+mlflow is imported inside functions only: ``import grpo_core`` never imports it (its import
+time: benchmarks/NOTES.md).
 """
 
 from __future__ import annotations

@@ -53,15 +53,15 @@ def precision_context(precision: str, device: torch.device):
 
 def fused_adamw_ok(model) -> bool:
     """torch's fused AdamW (one kernel per parameter; also HF Trainer's default) where it exists:
-    float parameters on CPU or CUDA. 2.1 -> 0.6 ms per step for a 0.5M-parameter model on CPU."""
+    float parameters on CPU or CUDA (its timing: benchmarks/NOTES.md)."""
     return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in model.parameters())
 
 
 def scored_without_grad(model, batch: RolloutBatch, temperature: float) -> torch.Tensor:
     """Completion log-probs [B, T] as constants (reference / old policy). Under ``inference_mode``
-    (no version counters or view tracking: 0.95x of ``no_grad``'s time for the reference forward
-    at t64; ``no_grad`` under autocast, which keeps its bf16 weight copies only outside it), then
-    cloned into a normal tensor, which the loss's autograd graph may hold."""
+    (no version counters or view tracking; ``no_grad`` under autocast, which keeps its bf16 weight
+    copies only outside it), then cloned into a normal tensor, which the loss's autograd graph may
+    hold."""
     with no_grad_for_sampling(next(model.parameters()).device):
         logp, _ = completion_logprobs(model, batch, temperature)
     return logp.clone()
