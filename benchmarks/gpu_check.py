@@ -45,11 +45,11 @@ sys.path.insert(0, str(ROOT))
 from grpo_core.algo.core import group_advantages, token_logprobs  # noqa: E402
 from grpo_core.algo.losses import grpo_loss  # noqa: E402
 from grpo_core.policy import dist, sharding  # noqa: E402
+from grpo_core.policy.policy import wrap_ddp  # noqa: E402
 from grpo_core.policy.scoring import completion_logprobs, groups_share_prompts, length_chunks  # noqa: E402
 from grpo_core.rollout.batch import RolloutBatch  # noqa: E402
 from grpo_core.rollout.decode import sample_inverse_cdf, sample_shared_prefix  # noqa: E402
 from grpo_core.rollout.generate import _generate, completion_mask  # noqa: E402
-from grpo_core.train.update_parts import wrap_ddp  # noqa: E402
 
 BIG = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
            intermediate_size=4864, vocab_size=151936)  # Qwen2-0.5B's shape
@@ -196,7 +196,7 @@ def correctness(dev, tmp: str, vocab: int) -> dict:
     for d in (dev, torch.device("cpu")):
         tr = trainer_for(model_dir, f"{tmp}/upd_{d.type}", dist.DistInfo(0, 1, 0, d), sampling={"group_size": 8})
         tr.update(copy.deepcopy(batch))
-        got[d.type] = grads(tr.model)
+        got[d.type] = grads(tr.policy.model)
     ok, worst = close_grads(got[dev.type], got["cpu"])
     check("Trainer.update gradients, device vs CPU", ok, f"(worst rel diff {worst:.1e})")
     res["trainer_update_worst_rel_grad_diff"] = worst
@@ -204,9 +204,9 @@ def correctness(dev, tmp: str, vocab: int) -> dict:
     tr = trainer_for(model_dir, f"{tmp}/upd_bf16", dist.DistInfo(0, 1, 0, dev), sampling={"group_size": 8},
                      execution={"precision": "bf16"})
     tr.update(copy.deepcopy(batch))
-    cos = cosine(grads(tr.model), got[dev.type])
+    cos = cosine(grads(tr.policy.model), got[dev.type])
     check("Trainer.update precision=bf16 vs fp32 on the device", cos > 0.999 and all(
-        p.dtype == torch.float32 for p in tr.model.parameters()), f"(gradient cosine {cos:.6f})")
+        p.dtype == torch.float32 for p in tr.policy.model.parameters()), f"(gradient cosine {cos:.6f})")
     res["trainer_update_bf16_grad_cosine"] = cos
     res.update(lora_checks(dev, tmp, model_dir, batch))
     # the shared-prefix decoder and scorer vs generate / full forward on the tiny fp32 model
@@ -234,7 +234,7 @@ def lora_checks(dev, tmp: str, model_dir: str, batch: RolloutBatch) -> dict:
         tr = trainer_for(model_dir, f"{tmp}/lora_{d.type}_{prec}", dist.DistInfo(0, 1, 0, d),
                          sampling={"group_size": 8}, execution={"precision": prec}, lora={"rank": 4, "alpha": 8.0})
         tr.update(copy.deepcopy(batch))
-        lora[d.type, prec] = grads(tr.model)
+        lora[d.type, prec] = grads(tr.policy.model)
     ok, worst = close_grads(lora[dev.type, "fp32"], lora["cpu", "fp32"])
     check("LoRA Trainer.update adapter gradients, device vs CPU", ok and all("lora_" in k for k in lora["cpu", "fp32"]),
           f"(worst rel diff {worst:.1e})")
@@ -398,11 +398,11 @@ def ddp_part(tmp: str) -> dict:
     rows = torch.zeros(2 * world, dtype=torch.bool)
     rows[2 * info.rank: 2 * info.rank + 2] = True
     tr = trainer_for(model_dir, f"{tmp}/ddp{info.rank}", info, prompts_per_iter=2 * world)
-    if not isinstance(tr.ddp, torch.nn.parallel.DistributedDataParallel):  # one GPU: still go through DDP
-        tr.ddp = wrap_ddp(tr.model, info)  # the trainer wraps only when world > 1
+    if not isinstance(tr.policy.trained, torch.nn.parallel.DistributedDataParallel):  # one GPU: still go through DDP
+        tr.policy.trained = wrap_ddp(tr.policy.model, info)  # the trainer wraps only when world > 1
     tr.update(full.select_groups(rows))
     res = {"world_size": world, "backend": torch.distributed.get_backend(), "all_reduce_ok": ok_reduce}
-    ddp_grads = grads(tr.model)
+    ddp_grads = grads(tr.policy.model)
     fsdp = {prec: fsdp2_grads(model_dir, tmp, info, full, rows, prec) for prec in ("fp32", "bf16")}
     dist.cleanup()  # the one-process reference below must not join collectives
     if info.is_main:
@@ -431,7 +431,7 @@ def fsdp2_grads(model_dir: str, tmp: str, info, full: RolloutBatch, rows, precis
         tr = trainer_for(model_dir, f"{tmp}/fsdp-{precision}{info.rank}", info, prompts_per_iter=2 * info.world_size,
                          execution={"parallelism": "fsdp2", "precision": precision})
         tr.update(full.select_groups(rows))
-        model = tr.model
+        model = tr.policy.model
     else:
         from grpo_core.model.loading import load_policy
 

@@ -29,6 +29,7 @@ from metaflow import Config, FlowSpec, card, current, parallel, step
 
 from grpo_core.config.checks import ConfigError
 from grpo_core.config.pipeline import PipelineConfig, parse_config_text
+from grpo_core.config.stages import GRPO_STAGES
 from grpo_core.pipeline import evaluation_step, launcher
 from grpo_core.pipeline import steps as pipeline
 
@@ -54,7 +55,11 @@ class GRPOFlow(FlowSpec):
 
     @property
     def pc(self) -> PipelineConfig:
-        return PipelineConfig.from_dict(dict(self.cfg))
+        """The typed config, parsed once per step's process (a private attribute: Metaflow does
+        not store it as an artifact; ``cfg`` is the artifact)."""
+        if getattr(self, "_pc", None) is None:
+            self._pc = PipelineConfig.from_dict(dict(self.cfg))
+        return self._pc
 
     @step
     def start(self):
@@ -115,8 +120,7 @@ class GRPOFlow(FlowSpec):
     @step
     def begin_evaluation(self):
         """Evaluate every stage's model, one task each (Metaflow: a join step cannot also split)."""
-        self.stages = [("sft", self.sft_uri), ("curriculum", self.curriculum["model_uri"]),
-                       ("gsm8k", self.gsm8k["model_uri"])]
+        self.stages = [("sft", self.sft_uri)] + [(s.name, getattr(self, s.name)["model_uri"]) for s in GRPO_STAGES]
         self.next(self.evaluate, foreach="stages")
 
     @eval_compute
@@ -131,7 +135,7 @@ class GRPOFlow(FlowSpec):
     @step
     def join_evaluations(self, inputs):
         """Collect every stage's results, pair each with the start model's, log them named by their data."""
-        self.merge_artifacts(inputs, include=["ctx", "datasets", "sft_metrics", "curriculum", "gsm8k"])
+        self.merge_artifacts(inputs, include=["ctx", "datasets", "sft_metrics", *(s.name for s in GRPO_STAGES)])
         ordered = evaluation_step.in_stage_order([i.result for i in inputs])
         self.results = evaluation_step.paired_with_start(ordered)
         evaluation_step.log_evaluation(self._ctx(), self.results, self.datasets)
@@ -150,8 +154,9 @@ class GRPOFlow(FlowSpec):
     @step
     def end(self):
         """Send any tracking points a stage kept for later, print the summary, close the MLflow runs."""
-        pipeline.replay_tracking(self._ctx().tracking_uri, [self.curriculum, self.gsm8k])
-        print(evaluation_step.summary_table(self.results, self.curriculum, self.gsm8k, self.registry))
+        trained = {s.name: getattr(self, s.name) for s in GRPO_STAGES}
+        pipeline.replay_tracking(self._ctx().tracking_uri, list(trained.values()))
+        print(evaluation_step.summary_table(self.results, trained, self.registry))
         pipeline.finish(self._ctx())
 
     # -- helpers (no pipeline logic here; see grpo_core.pipeline.steps)

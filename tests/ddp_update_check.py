@@ -60,10 +60,10 @@ trainer.update(shard)
 # gradients after DDP's all-reduce, or FSDP's reduce-scatter gathered whole (a collective: every
 # rank); Adam's first step amplifies float noise in near-zero gradients to +-lr, so the gradient
 # is the right thing to compare to float tolerance
-grads = {n: sharding.full_value(p.grad).contiguous() for n, p in trainer.model.named_parameters()
+grads = {n: sharding.full_value(p.grad).contiguous() for n, p in trainer.policy.model.named_parameters()
          if p.grad is not None}
 if info.is_main:  # this rank's parameter, gradient and AdamW-state bytes (what fsdp2 divides)
-    Path(out_file + ".bytes.json").write_text(json.dumps(sharding.training_bytes(trainer.model, trainer.opt)))
+    Path(out_file + ".bytes.json").write_text(json.dumps(sharding.training_bytes(trainer.policy.model, trainer.opt)))
     save_file({**grads, "shared_prefix_calls": torch.tensor(float(len(shared_calls)))}, out_file)
 dist.cleanup()
 dist.end_worker_process()

@@ -239,3 +239,21 @@ def test_the_configuration_page_reference_is_the_one_generated_from_the_field_do
     assert "| `tracking_run_id` |" not in table
     edited = page.replace("| `lr` | `0.0001` |", "| `lr` | `0.001` |")
     assert edited != page and replaced(edited) == page  # a hand edit is what the test catches
+
+
+def test_each_grpo_stage_row_has_its_config_table_and_flow_steps():
+    """A GRPO stage is declared by its stage-table row: the pipeline config has its table, the
+    flow its training step, and nothing else lists the stages by hand (the flow's evaluation
+    order, artifact lists and summary derive from the table)."""
+    import dataclasses
+
+    from grpo_core.config.pipeline import PipelineConfig
+    from grpo_core.config.stages import GRPO_STAGES
+
+    fields = {f.name for f in dataclasses.fields(PipelineConfig)}
+    flow = (Path(__file__).resolve().parents[1] / "flows" / "grpo_flow.py").read_text()
+    for s in GRPO_STAGES:
+        assert s.name in fields, f"PipelineConfig needs a {s.name!r} table"
+        assert f"def {s.step}(self)" in flow and f'self._train("{s.name}"' in flow, s
+    by_hand = [line for line in flow.splitlines() if '"curriculum"' in line and '"gsm8k"' in line]
+    assert not by_hand, f"the flow lists the stages by hand: {by_hand}"

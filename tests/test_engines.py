@@ -51,7 +51,7 @@ def test_the_trainer_samples_only_through_the_selected_engine(tiny, tmp_path, mo
 
     def init(self, *a, **kw):
         real_init(self, *a, **kw)
-        policies.append(self.model)
+        policies.append(self.policy.model)
 
     monkeypatch.setattr(trainer_mod.Trainer, "__init__", init)
     RecordingEngine.calls = []

@@ -48,7 +48,8 @@ def test_stage_table_pairs_every_stage_with_the_start_row():
     assert "vs_start" not in results[0]
     assert results[1]["vs_start"]["arithmetic_test"]["gained"] == 8
     stage = {"iterations_run": 3, "last": {"informative_frac": 0.5}}
-    table = summary_table(results, stage, stage, {"model_name": "m", "version": 1, "decision": "first"})
+    table = summary_table(results, {"curriculum": stage, "gsm8k": stage},
+                          {"model_name": "m", "version": 1, "decision": "first"})
     start_line = next(ln for ln in table.splitlines() if ln.strip().startswith("sft"))
     cur_line = next(ln for ln in table.splitlines() if ln.strip().startswith("curriculum "))
     assert "10.0%" in start_line and "-" in start_line
@@ -56,8 +57,9 @@ def test_stage_table_pairs_every_stage_with_the_start_row():
     assert results[1]["vs_previous"]["arithmetic_test"]["stage"] == "sft"
     one = {"iterations_run": 1, "last": {}, "reward_trend": {"first": 0.0, "last": 0.0, "window": 1, "diff": 0.0,
                                                             "ci_low": float("nan"), "ci_high": float("nan")}}
-    table = summary_table(results, stage, one, {"model_name": "m", "version": 1, "decision": "promoted",
-                                                "p_value": 2.977e-14, "compared_items": 10})
+    table = summary_table(results, {"curriculum": stage, "gsm8k": one},
+                          {"model_name": "m", "version": 1, "decision": "promoted", "p_value": 2.977e-14,
+                           "compared_items": 10})
     assert "nan" not in table and "too few iterations for an interval" in table
     assert "promoted (p=3e-14, 10 items)" in table
 

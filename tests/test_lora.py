@@ -45,12 +45,12 @@ def _step(trainer) -> dict:
 
 def test_at_step_zero_the_lora_policy_is_the_reference_and_kl_is_exactly_zero(tiny, tmp_path):
     trainer = _trainer(tiny, tmp_path)
-    assert trainer.ref is None  # no second copy of the weights
+    assert trainer.policy.ref is None  # no second copy of the weights
     batch = fixed_rollout_batch(2)
     with torch.no_grad():
-        policy = _logp(trainer.model, batch)
-        with lora.reference_mode(trainer.lora):
-            reference = _logp(trainer.model, batch)
+        policy = _logp(trainer.policy.model, batch)
+        with lora.reference_mode(trainer.policy.lora):
+            reference = _logp(trainer.policy.model, batch)
     assert torch.equal(policy, reference)
     stats = _step(trainer)
     assert stats["kl"] == 0.0
@@ -59,21 +59,21 @@ def test_at_step_zero_the_lora_policy_is_the_reference_and_kl_is_exactly_zero(ti
 
 def test_a_lora_update_changes_only_adapter_parameters(tiny, tmp_path):
     trainer = _trainer(tiny, tmp_path)
-    trained, total = lora.adapter_count(trainer.model)
+    trained, total = lora.adapter_count(trainer.policy.model)
     assert 0 < trained < total / 5
     assert sum(p.numel() for g in trainer.opt.param_groups for p in g["params"]) == trained
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in trainer.policy.model.named_parameters()}
     _step(trainer)
     _step(trainer)  # the second step moves lora_A too (its gradient is 0 while lora_B is 0)
-    after = dict(trainer.model.named_parameters())
+    after = dict(trainer.policy.model.named_parameters())
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     adapters = {n for n, p in after.items() if p.requires_grad}
     assert changed == adapters and all("lora_" in n for n in adapters)
     assert all(not p.requires_grad for n, p in after.items() if "lora_" not in n)
-    with torch.no_grad(), lora.reference_mode(trainer.lora):  # the reference is still the start model
+    with torch.no_grad(), lora.reference_mode(trainer.policy.lora):  # the reference is still the start model
         start, _ = load_policy(str(tiny))
         batch = fixed_rollout_batch(2)
-        assert torch.equal(_logp(trainer.model, batch), _logp(start, batch))
+        assert torch.equal(_logp(trainer.policy.model, batch), _logp(start, batch))
 
 
 def test_the_merged_model_is_a_plain_hf_dir_with_the_policys_logprobs(tiny, tmp_path):
@@ -82,11 +82,11 @@ def test_the_merged_model_is_a_plain_hf_dir_with_the_policys_logprobs(tiny, tmp_
         _step(trainer)
     batch = fixed_rollout_batch(2)
     with torch.no_grad():
-        unmerged = _logp(trainer.model, batch)
-        with lora.reference_mode(trainer.lora):
-            reference = _logp(trainer.model, batch)
+        unmerged = _logp(trainer.policy.model, batch)
+        with lora.reference_mode(trainer.policy.lora):
+            reference = _logp(trainer.policy.model, batch)
     assert (unmerged - reference).abs().max() > 1e-3  # the adapters did change the policy
-    final = save_policy(lora.merged(trainer.lora), trainer.tok, tmp_path / "final")
+    final = save_policy(lora.merged(trainer.policy.lora), trainer.tok, tmp_path / "final")
     weights = load_file(str(final / "model.safetensors"))
     assert not any("lora_" in k or "base_layer" in k for k in weights)
     assert not (final / "adapter_config.json").exists()
@@ -101,10 +101,10 @@ def test_the_shared_prefix_decoder_samples_from_the_adapted_policy(tiny, tmp_pat
     """Greedy tokens of the decoder (base weight + adapter delta) equal generate's (peft's forward)."""
     trainer = _trainer(tiny, tmp_path)
     with torch.no_grad():
-        for n, p in trainer.model.named_parameters():
+        for n, p in trainer.policy.model.named_parameters():
             if "lora_" in n:
                 p.normal_(0, 0.5)  # adapters large enough to change the greedy tokens
-    model, tok = trainer.model.eval(), trainer.tok
+    model, tok = trainer.policy.model.eval(), trainer.tok
     assert fast_decode_supported(model)
     ids, mask = encode_prompts(tok, ["7 + 7 =", "a longer prompt, 12 * 3 ="], 64)
     kw = dict(temperature=1.0, top_p=1.0, top_k=0, greedy=True)
@@ -112,7 +112,7 @@ def test_the_shared_prefix_decoder_samples_from_the_adapted_policy(tiny, tmp_pat
     fast = sample_shared_prefix(model, ids, mask, 2, max_new_tokens=12, eos_id=tok.eos_token_id,
                                 pad_id=tok.pad_token_id, greedy=True)
     assert torch.equal(fast, ref)
-    with lora.reference_mode(trainer.lora):
+    with lora.reference_mode(trainer.policy.lora):
         base = sample_shared_prefix(model, ids, mask, 2, max_new_tokens=12, eos_id=tok.eos_token_id,
                                     pad_id=tok.pad_token_id, greedy=True)
     assert not torch.equal(base, fast), "the adapters must change what the decoder samples"
@@ -120,8 +120,8 @@ def test_the_shared_prefix_decoder_samples_from_the_adapted_policy(tiny, tmp_pat
 
 def test_adapter_dropout_while_training_falls_back_to_generate(tiny, tmp_path):
     trainer = _trainer(tiny, tmp_path, disable_dropout=False, lora={**LORA, "dropout": 0.1})
-    assert not fast_decode_supported(trainer.model.train())
-    assert fast_decode_supported(trainer.model.eval())
+    assert not fast_decode_supported(trainer.policy.model.train())
+    assert fast_decode_supported(trainer.policy.model.eval())
 
 
 def _stage(tiny, out, **kw):

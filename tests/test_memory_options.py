@@ -43,7 +43,7 @@ def _update(tiny, out, precision, **kw):
     batch = fixed_rollout_batch(2)
     batch.advantages = trainer.advantages(batch.rewards)
     stats = trainer.update(batch)
-    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.clone() for n, p in trainer.policy.model.named_parameters() if p.grad is not None}
     return trainer, grads, stats, batch
 
 
@@ -57,7 +57,7 @@ def test_bf16_update_is_the_fp32_update_to_bfloat16_rounding(tiny, tmp_path):
     cosine = torch.nn.functional.cosine_similarity(flat32, flat16, dim=0).item()
     assert cosine > 0.999, cosine  # measured 0.99999
     assert not torch.equal(flat32, flat16)  # autocast changed the arithmetic
-    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert all(p.dtype == torch.float32 for p in trainer.policy.model.parameters())
     assert all(g.dtype == torch.float32 for g in g16.values())
     assert batch.ref_logp.dtype == torch.float32 and batch.old_logp.dtype == torch.float32
     for key in ("kl", "entropy", "ratio_mean"):
@@ -113,7 +113,7 @@ def test_gradient_checkpointing_gives_the_same_update(tiny, tmp_path):
 
     _, plain, s_plain, _ = _update(tiny, tmp_path / "plain", "fp32")
     trainer, ckpt, s_ckpt, _ = _update(tiny, tmp_path / "ckpt", "fp32", execution={"gradient_checkpointing": True})
-    assert _replays_layers(trainer.model)
+    assert _replays_layers(trainer.policy.model)
     assert plain.keys() == ckpt.keys()
     for k in plain:
         assert torch.allclose(plain[k], ckpt[k], rtol=1e-4, atol=1e-7), k
@@ -135,6 +135,7 @@ def test_every_phase_runs_in_the_stage_precision_and_only_the_update_replays_lay
     autocast exactly when precision = "bf16"; checkpointed layers are on in the update's forward
     only (transformers releases that checkpoint any training-mode forward would otherwise drop
     the decoder's KV cache and score old log-probs without their prompt)."""
+    import grpo_core.policy.policy as policy_mod
     import grpo_core.rollout.generate as rollout_mod
     import grpo_core.train.trainer as trainer_mod
 
@@ -149,8 +150,8 @@ def test_every_phase_runs_in_the_stage_precision_and_only_the_update_replays_lay
         return wrapped
 
     for module, name, phase in ((rollout_mod, "generate_rollouts", "rollout"),
-                                (trainer_mod, "scored_without_grad", "ref_old"),
-                                (trainer_mod, "completion_logprobs", "update"),
+                                (policy_mod, "scored_without_grad", "ref_old"),
+                                (policy_mod, "completion_logprobs", "update"),
                                 (trainer_mod, "greedy_results", "eval")):
         monkeypatch.setattr(module, name, spy(phase, getattr(module, name)))
     main(_stage(tiny, tmp_path, execution=dict(precision=precision, gradient_checkpointing=checkpointing),

@@ -20,19 +20,19 @@ def test_wilson_no_data_is_uninformative():
 
 
 def test_wilson_half():
-    # p=0.5, n=100, z=1.96: z2=3.8416, denom=1.038416, centre=(0.5+0.019208)/denom=0.5
-    # half = 1.96*sqrt(0.0025 + 3.8416/40000)/denom = 1.96*0.0509513/1.038416 = 0.0961702
+    # p=0.5, n=100, z=1.959964: z2=3.841459, denom=1.03841459, centre=0.5
+    # half = z*sqrt(0.0025 + z2/40000)/denom = 1.959964*0.05095114/1.03841459 = 0.0961685
     low, high = wilson_interval(50, 100)
-    assert low == pytest.approx(0.5 - 0.0961702, abs=1e-6)
-    assert high == pytest.approx(0.5 + 0.0961702, abs=1e-6)
+    assert low == pytest.approx(0.5 - 0.0961685, abs=1e-6)
+    assert high == pytest.approx(0.5 + 0.0961685, abs=1e-6)
 
 
 def test_wilson_zero_successes():
     # p=0: centre = (z2/2n)/(1+z2/n), half = z*sqrt(z2/4n^2)/(1+z2/n) = (z2/2n)/(1+z2/n) -> low 0
-    # n=10: high = 2*0.192080/1.384160 = 0.277542
+    # n=10, z2=3.841459: high = 2*0.1920729/1.3841459 = 0.277533
     low, high = wilson_interval(0, 10)
     assert low == pytest.approx(0.0, abs=1e-12)
-    assert high == pytest.approx(0.3841600 / 1.3841600, abs=1e-9)
+    assert high == pytest.approx(0.3841459 / 1.3841459, abs=1e-7)
 
 
 def test_wilson_is_symmetric_and_inside_unit_interval():

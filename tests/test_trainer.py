@@ -302,7 +302,7 @@ def test_micro_batches_give_the_full_batch_update_for_every_loss_type(tiny, tmp_
         batch = fixed_rollout_batch(4)
         batch.advantages = trainer.advantages(batch.rewards)
         stats = trainer.update(batch)
-        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        grads = {n: p.grad.clone() for n, p in trainer.policy.model.named_parameters() if p.grad is not None}
         results[micro] = grads, stats  # the second update's gradient (weights: Adam's first step turns
         # float noise in near-zero gradients into +-lr, so gradients are what compares to tolerance)
     grads, stats = results[0]
@@ -342,20 +342,20 @@ def test_rows_outside_the_loss_add_nothing_and_an_empty_update_takes_no_step(tin
         else:
             batch = batch.select_groups(torch.tensor([True, True, False, False]))
         trainer.update(batch)
-        grads.append({k: p.grad.clone() for k, p in trainer.model.named_parameters()})
+        grads.append({k: p.grad.clone() for k, p in trainer.policy.model.named_parameters()})
     assert max(g.abs().max().item() for g in grads[0].values()) > 1e-4
     for k in grads[0]:
         assert torch.allclose(grads[0][k], grads[1][k], atol=1e-7, rtol=1e-4), k
 
     trainer = _in_process_trainer(tiny, tmp_path / "empty", **deep_merge(kw, dict(optim=dict(warmup_iters=2))))
-    before = {k: p.detach().clone() for k, p in trainer.model.state_dict().items()}
+    before = {k: p.detach().clone() for k, p in trainer.policy.model.state_dict().items()}
     batch = fixed_rollout_batch(2)
     batch.advantages = trainer.advantages(batch.rewards)
     batch.loss_rows = torch.zeros(8, dtype=torch.bool)
     stats = trainer.update(batch)
     assert stats["grad_norm"] == 0.0 and stats["num_tokens"] == 0.0 and stats["lr"] == pytest.approx(5e-3)
     assert not trainer.opt.state  # AdamW never stepped (its moments would move zero-gradient weights)
-    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    assert all(torch.equal(before[k], v) for k, v in trainer.policy.model.state_dict().items())
     assert trainer.sched.get_last_lr()[0] == pytest.approx(1e-2)
 
 
@@ -457,9 +457,9 @@ def test_dropout_is_off_in_the_policy_unless_asked_for(tmp_path):
     ids = torch.randint(3, len(tok), (2, 12))
     for off, same in ((True, True), (False, False)):
         trainer = _in_process_trainer(tmp_path / "gpt2", tmp_path / str(off), disable_dropout=off)
-        assert trainer.model.training
+        assert trainer.policy.model.training
         with torch.no_grad():
-            a, b = trainer.model(ids).logits, trainer.model(ids).logits
+            a, b = trainer.policy.model(ids).logits, trainer.policy.model(ids).logits
         assert torch.equal(a, b) is same
 
 
@@ -479,7 +479,7 @@ def test_torchrun_batch_scale_uses_the_std_over_all_ranks(tiny, tmp_path):
     ("loss.beta=-1", r"loss\.beta"), ("loss.type=ppo", r"loss\.type.*grpo, bnpo, dapo, dr_grpo"),
     ("sampling.grop_size=4", "Did you mean 'group_size'"),
     ("group_size=4", r"belongs in the 'sampling' group: stage\.sampling\.group_size"),
-    ("save_every=4", r"It is stage\.checkpoint\.every now"),
+    ("keep=2", r"belongs in the 'checkpoint' group: stage\.checkpoint\.keep"),
     ("optim.lr=\"fast\"", r"stage\.optim\.lr"), ("gate.metric=\"eval_accuracy\"", r"validation\.every"),
     ("rewards=[{\"func\": \"x\"}]", "rewards\\[0\\]"),
     ("sampling.sampler=\"gumbel\"", "sampler.*inverse_cdf, multinomial"),

@@ -65,12 +65,8 @@ def from_dict(cls, data: dict, where: str):
 
 
 def _unknown_field_hint(cls, hints: dict, names: list[str], key: str, where: str) -> str:
-    """Where an unknown ``key`` of ``cls`` lives: its new place if it was renamed (``cls.RENAMED``),
-    the group that has a field of that name, else the closest field name."""
-    renamed = getattr(cls, "RENAMED", {}).get(key)
-    if renamed:
-        group, _, name = renamed.rpartition(".")
-        return f" It is {where}.{group}.{name} now (TOML: {name} under [{where}.{group}])."
+    """Where an unknown ``key`` of ``cls`` lives: the group that has a field of that name, else the
+    closest field name."""
     for group in names:
         if dataclasses.is_dataclass(hints[group]) and key in {f.name for f in dataclasses.fields(hints[group])}:
             return f" It belongs in the {group!r} group: {where}.{group}.{key} (TOML: under [{where}.{group}])."

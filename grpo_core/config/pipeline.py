@@ -17,7 +17,7 @@ from grpo_core.config.checks import (
     from_dict,
     require,
 )
-from grpo_core.config.stage import TINY_ARCHITECTURES, GRPOConfig
+from grpo_core.config.stage import TINY_ARCHITECTURES, GRPOConfig, StageRuntime
 from grpo_core.config.stages import GRPO_STAGES
 from grpo_core.data.tasks import dataset_name, parse_dataset_name
 
@@ -279,12 +279,14 @@ class PipelineConfig:
     compute: ComputeConfig = field(default_factory=ComputeConfig)
 
     def __post_init__(self):
-        # Validate the stage tables now (fail fast in `start`), keep them as dicts for overrides.
+        # Parse and validate each stage table once (fail fast in `start`); the tables stay dicts
+        # (the file's text, for overrides and to_dict), the typed configs are kept beside them.
+        self._stages: dict[str, GRPOConfig] = {}
         for stage, task in ((s.name, s.task) for s in GRPO_STAGES):
             table = {"task": task, **getattr(self, stage)}
             require("runtime" not in table, f"{stage}.runtime", "is filled in by the flow for each run (model, "
                     "directories, MLflow run); remove it from the stage table")
-            cfg = self._stage_config(table, stage, model="validated-later")
+            cfg = self._stages[stage] = from_dict(GRPOConfig, {**table, "runtime": {"stage": stage}}, stage)
             world = self.compute.nproc_per_node * self.compute.nodes
             require(cfg.prompts_per_iter % world == 0, f"{stage}.prompts_per_iter",
                      f"{cfg.prompts_per_iter} prompts cannot be split across {world} ranks "
@@ -342,13 +344,9 @@ class PipelineConfig:
         return from_dict(cls, json.loads(json.dumps(data)), "config")
 
     def stage(self, name: str, **runtime) -> GRPOConfig:
-        """The validated GRPOConfig of one stage, with its runtime record (``StageRuntime``: model,
-        dirs, run ids)."""
-        return self._stage_config(getattr(self, name), name, **runtime)
-
-    @staticmethod
-    def _stage_config(table: dict, name: str, **runtime) -> GRPOConfig:
-        return from_dict(GRPOConfig, {**table, "runtime": {"stage": name, **runtime}}, name)
+        """The GRPOConfig of one stage, parsed and validated when this config was, with its runtime
+        record (``StageRuntime``: model, dirs, run ids) filled in."""
+        return dataclasses.replace(self._stages[name], runtime=StageRuntime(stage=name, **runtime))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

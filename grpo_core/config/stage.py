@@ -438,12 +438,6 @@ class GRPOConfig:
     runtime: StageRuntime = field(default_factory=StageRuntime)
     """Filled in by the flow (model, directories, MLflow run): not set in a stage table."""
 
-    RENAMED = {"loss_type": "loss.type", "eval_every": "validation.every", "eval_size": "validation.size",
-               "eval_max_new_tokens": "validation.max_new_tokens", "gate_metric": "gate.metric",
-               "gate_threshold": "gate.threshold", "gate_patience": "gate.patience",
-               "save_every": "checkpoint.every", "keep_checkpoints": "checkpoint.keep"}
-    """Flat fields whose name changed when they moved into a group: an error names the new place."""
-
     def __post_init__(self):
         for name, cls in {**GROUPS, "runtime": StageRuntime}.items():
             if isinstance(getattr(self, name), dict):  # built directly (tests, benchmarks), not from a table

@@ -12,12 +12,11 @@ distributions):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 
-def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval for k successes out of n (95% with the default z).
+def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval for k successes out of n (scipy's ``binomtest(...).proportion_ci``).
 
     With no data the proportion is unconstrained, so n=0 gives (0.0, 1.0).
     """
@@ -25,12 +24,10 @@ def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
         raise ValueError(f"need 0 <= k <= n, got k={k} n={n}")
     if n == 0:
         return 0.0, 1.0
-    p = k / n
-    z2 = z * z
-    denom = 1.0 + z2 / n
-    centre = (p + z2 / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    from scipy.stats import binomtest
+
+    ci = binomtest(k, n).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(ci.low), float(ci.high)
 
 
 def binomial_two_sided_p(k: int, n: int) -> float:

@@ -189,18 +189,18 @@ def _stage_line(name: str, st: dict) -> str:
             + (" (promotion gate)" if st.get("promoted_by_gate") else ""))
 
 
-def summary_table(results: list[dict], curriculum: dict, gsm8k: dict, registry: dict) -> str:
+def summary_table(results: list[dict], trained: dict[str, dict], registry: dict) -> str:
     """A plain-text table per set: every stage's greedy accuracy with its 95% interval, the shares
     of answers cut by the cap and that looped, GSM8K's steps buckets, and the change against the
     start model and the stage before with its exact McNemar p; then sampled mean@k and pass@k with
     their paired p; then each GRPO stage's reward trend and informative fraction, and the registry
-    decision."""
+    decision. ``trained``: each GRPO stage's summary, by stage name, in the stage table's order."""
     lines = []
     for name in results[0]["summary"]:
         lines += _greedy_lines(results, name)
         if name in results[0].get("sampled_summary", {}):
             lines += _sampled_lines(results, name)
-    lines += [_stage_line(name, st) for name, st in (("curriculum", curriculum), ("gsm8k", gsm8k))]
+    lines += [_stage_line(name, st) for name, st in trained.items()]
     lines.append(f"registry: {registry.get('model_name')} v{registry.get('version')} -> {registry.get('decision')} "
                  f"(p={_p(registry.get('p_value'))}, {registry.get('compared_items')} items)")
     return "\n".join(lines)

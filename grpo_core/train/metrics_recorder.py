@@ -55,9 +55,8 @@ class MetricsRecorder:
         keep = [ln for ln in lines if json.loads(ln)["iteration"] <= iteration]
         storage.atomic_write_text(self.path, "".join(ln + "\n" for ln in keep))
         for row in read_jsonl(str(self.path)):
-            if LOGGED_AT in row:  # rows written before the timestamp was kept cannot be sent idempotently
-                self.tracker.log({k: v for k, v in row.items() if k not in ("iteration", LOGGED_AT)},
-                                 step=row["iteration"], timestamp_ms=row[LOGGED_AT])
+            self.tracker.log({k: v for k, v in row.items() if k not in ("iteration", LOGGED_AT)},
+                             step=row["iteration"], timestamp_ms=row[LOGGED_AT])
 
     def checkpoint_files(self) -> dict[str, Path]:
         """Files a checkpoint carries so that a resume restores them."""

@@ -8,7 +8,6 @@ commit points (and at the end): a crashed stage that resumes never logs a step t
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import random
@@ -28,15 +27,8 @@ from grpo_core.data.prompts import PromptStream, eval_rows, train_rows
 from grpo_core.data.rewards import RewardSpec, combine_rewards, resolve_specs
 from grpo_core.evaluation.greedy import greedy_results
 from grpo_core.io import storage
-from grpo_core.model import lora
-from grpo_core.model.loading import (
-    activation_checkpointing_paused,
-    disable_dropout,
-    enable_activation_checkpointing,
-    load_policy,
-)
-from grpo_core.policy import dist, sharding
-from grpo_core.policy.scoring import completion_logprobs
+from grpo_core.policy import dist
+from grpo_core.policy.policy import Policy
 from grpo_core.rollout import engines
 from grpo_core.rollout.batch import RolloutBatch
 from grpo_core.rollout.generate import render_prompts
@@ -52,14 +44,7 @@ from grpo_core.train.iteration_metrics import (
 )
 from grpo_core.train.metrics_recorder import MetricsRecorder
 from grpo_core.train.stage_checkpoints import StageCheckpoints
-from grpo_core.train.update_parts import (
-    MergedStats,
-    compile_for_scoring,
-    fused_adamw_ok,
-    precision_context,
-    scored_without_grad,
-    wrap_ddp,
-)
+from grpo_core.train.update_stats import MergedStats
 
 MAX_NONFINITE_IN_A_ROW = 3  # consecutive skipped updates before the stage stops with an error
 
@@ -83,44 +68,9 @@ class Trainer:
                               f"be split across {info.world_size} ranks; use a multiple of {info.world_size}")
         self.out = Path(cfg.runtime.output_dir)
         torch.manual_seed(cfg.seed)
-        self.model, self.tok = load_policy(cfg.runtime.model, trust_remote_code=cfg.trust_remote_code)
-        if cfg.disable_dropout:
-            disable_dropout(self.model)
-        # LoRA: adapters injected into self.model in place; self.lora is peft's handle (reference, merge)
-        self.lora = lora.attach(self.model, cfg.lora, f"stage '{cfg.runtime.stage}'") if cfg.lora.rank else None
-        self.model.to(info.device).train()
-        if cfg.execution.gradient_checkpointing:
-            try:
-                enable_activation_checkpointing(self.model)
-            except ValueError as exc:
-                raise ConfigError(f"stage '{cfg.runtime.stage}'.execution.gradient_checkpointing: {exc}; "
-                                  "set it to false") from exc
-        self.sharded = cfg.execution.parallelism == "fsdp2"
-        if self.sharded and info.world_size < 2:
-            raise ConfigError(f"stage '{cfg.runtime.stage}'.execution.parallelism: 'fsdp2' shards over ranks, but "
-                              "this stage runs as one process; start it with torchrun --nproc_per_node >= 2, "
-                              "or use 'ddp'")
-        self.ref = self.ref_root = None
-        if cfg.loss.beta > 0 and self.lora is None:  # the stage's starting policy, also on resume (LoRA:
-            # the policy with its adapters off)
-            self.ref, _ = load_policy(cfg.runtime.model, trust_remote_code=cfg.trust_remote_code)
-            self.ref.to(info.device).eval().requires_grad_(False)
-            if self.sharded:  # the reference is sharded too, and gathered for its scoring
-                self.ref_root = sharding.shard(self.ref, cfg.execution.precision)
-        # what scores completions: the policy itself, or compiled (same parameters); the update
-        # scores through self.ddp: DDP around a CompletionScorer on > 1 rank, or FSDP's root (one)
-        self.scorer, self.ref_scorer = self.model, self.ref
-        if cfg.execution.compile_scoring:
-            self.scorer = compile_for_scoring(self.model)
-            self.ref_scorer = compile_for_scoring(self.ref) if self.ref is not None else None
-        self.ddp = self.scorer
-        if self.sharded:
-            self.ddp = sharding.shard(self.model, cfg.execution.precision)  # self.model's parameters become shards
-        elif info.world_size > 1:
-            self.ddp = wrap_ddp(self.scorer, info)
-        trained = [p for p in self.model.parameters() if p.requires_grad]  # all, or LoRA's adapters
-        self.opt = torch.optim.AdamW(trained, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-                                     fused=fused_adamw_ok(self.model) and not self.sharded)
+        self.policy = Policy(cfg, info)
+        self.tok = self.policy.tok
+        self.opt = self.policy.optimizer()
         self.sched = self._schedule()
         self.rewards = resolve_specs([RewardSpec(**r) for r in cfg.rewards])
         self.engine, self.sampling = engines.build(cfg.sampling.rollout_engine, self.tok, cfg), engines.Sampling.of(cfg)
@@ -142,8 +92,8 @@ class Trainer:
         path = self.checkpoints.find_latest()
         if path is None:
             return 0
-        self.state = self.checkpoints.load(path, self.model, self.opt, self.sched, read_shards=(
-            (lambda d: sharding.load_state(self.ddp, self.opt, d)) if self.sharded else None))
+        self.state = self.checkpoints.load(path, self.policy.model, self.opt, self.sched,
+                                           read_shards=self.policy.shard_reader(self.opt))
         self.gate.load_state_dict(self.state)
         if self.pool is not None:
             self.pool.load_state_dict(self.state)
@@ -154,10 +104,8 @@ class Trainer:
         return self.state["iteration"]
 
     def _schedule(self, done_iterations: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
-        """Linear warm-up over ``warmup_iters`` iterations. Its position is the number of
-        iterations done, so a resume sets it from the checkpoint's iteration rather than trusting
-        the saved counter: checkpoints written before the schedule advanced once per iteration
-        counted optimizer steps, which ran ahead of the iterations with mu > 1."""
+        """Linear warm-up over ``warmup_iters`` iterations, positioned at the iterations done (the
+        schedule advances once per iteration, whatever mu is)."""
         warm = max(self.cfg.optim.warmup_iters, 0)
         return torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda it: min(1.0, (it + 1) / warm) if warm else 1.0, last_epoch=done_iterations - 1)
@@ -165,9 +113,8 @@ class Trainer:
     def save_checkpoint(self, iteration: int) -> None:
         """A commit point: the checkpoint (rank 0), then the metrics up to it; all ranks wait."""
         self.state.update(self.gate.state_dict(), **(self.pool.state_dict() if self.pool else {}))
-        self.checkpoints.save(iteration, self.model, self.opt, self.sched, self.state,
-                              self.recorder.checkpoint_files(), write_shards=(
-                                  (lambda d: sharding.save_state(self.ddp, self.opt, d)) if self.sharded else None))
+        self.checkpoints.save(iteration, self.policy.model, self.opt, self.sched, self.state,
+                              self.recorder.checkpoint_files(), write_shards=self.policy.shard_writer(self.opt))
         self.recorder.commit()
         dist.barrier()
 
@@ -204,8 +151,8 @@ class Trainer:
         c = self.cfg
         everyone = self._draw(n_prompts, drawn, roll)
         rows = self._shard(everyone)
-        with self._forward_only():  # under FSDP2: full weights for the engine
-            self.engine.sync_weights(self.model)
+        self.policy.sync(self.engine)
+        with self.policy.forward_only():
             batch = self.engine.generate(rows, c.sampling.group_size, self.sampling)
         t0 = time.perf_counter()
         total, parts = combine_rewards(self.rewards, batch.prompts, batch.completions, batch.reward_columns(),
@@ -280,23 +227,17 @@ class Trainer:
             return {**MergedStats().result(), "grad_norm": 0.0}
         parts = batch.split_groups(c.execution.micro_batch_groups)
         masks = [mask] if len(parts) == 1 else list(mask.split([len(p) for p in parts]))
-        t0 = time.perf_counter()
-        if self.ref is not None:
-            with self._forward_only(self.ref_root):
-                for part in parts:
-                    part.ref_logp = scored_without_grad(self.ref_scorer, part, c.sampling.temperature)
-        elif self.lora is not None and c.loss.beta > 0:  # uncompiled: a compiled graph may bake the adapters in
-            with self._forward_only(), lora.reference_mode(self.lora):
-                for part in parts:
-                    part.ref_logp = scored_without_grad(self.model, part, c.sampling.temperature)
+        t0, policy, temperature = time.perf_counter(), self.policy, c.sampling.temperature
+        if policy.has_reference:
+            for part, logp in zip(parts, policy.reference_logprobs(parts, temperature)):
+                part.ref_logp = logp
         if c.optim.mu > 1:
-            with self._forward_only():
-                for part in parts:
-                    part.old_logp = scored_without_grad(self.scorer, part, c.sampling.temperature)
+            for part, logp in zip(parts, policy.old_logprobs(parts, temperature)):
+                part.old_logp = logp
         self.timings["time_ref"] += time.perf_counter() - t0
         # fsdp2: each layer call is a collective, so every rank runs as many micro-batches as the
         # rank with the most; the extra ones repeat the first with a zero loss (no gradient, no stats)
-        n_parts = int(dist.all_reduce_max(float(len(parts)), dev)) if self.sharded else len(parts)
+        n_parts = int(dist.all_reduce_max(float(len(parts)), dev)) if policy.sharded else len(parts)
         self.mismatch = new_mismatch()
         for epoch in range(c.optim.mu):
             self.opt.zero_grad(set_to_none=True)
@@ -304,10 +245,8 @@ class Trainer:
             for k in range(n_parts):
                 pad = k >= len(parts)
                 part, pmask = (parts[0], masks[0]) if pad else (parts[k], masks[k])
-                accumulate = k < len(parts) - 1 and isinstance(self.ddp, torch.nn.parallel.DistributedDataParallel)
-                with self.ddp.no_sync() if accumulate else contextlib.nullcontext():
-                    with self._precision():  # the forward only: backward follows autocast's forward dtypes
-                        logp, ent = completion_logprobs(self.ddp, part, c.sampling.temperature, with_entropy=True)
+                with policy.accumulating(k < len(parts) - 1):
+                    logp, ent = policy.logprobs(part, temperature)
                     old = part.old_logp if part.old_logp is not None else logp.detach()
                     is_weight = self._is_weight(old, part, pmask, record=epoch == 0 and not pad)
                     loss, stats = grpo_loss(
@@ -340,24 +279,10 @@ class Trainer:
             add_mismatch(self.mismatch, stats)
         return weight
 
-    def _precision(self):
-        return precision_context(self.cfg.execution.precision, self.info.device)
-
-    @contextlib.contextmanager
-    def _forward_only(self, sharded_root=None):
-        """Forwards with no backward (rollouts, reference/old scoring, evaluation): the stage's
-        precision, activation checkpointing paused (if on: pausing scans every module), and with
-        fsdp2 the full weights gathered (the policy's, or ``sharded_root``'s: the reference's)."""
-        paused = (activation_checkpointing_paused(self.model) if self.cfg.execution.gradient_checkpointing
-                  else contextlib.nullcontext())
-        full = sharding.gathered(sharded_root or self.ddp) if self.sharded else contextlib.nullcontext()
-        with full, self._precision(), paused:
-            yield
-
     def _step(self, loss: float) -> float:
         """Clip and apply the update, or skip it (and count) when anything is non-finite."""
         limit = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else float("inf")
-        norm = sharding.full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)).item()
+        norm = self.policy.clip_grad_norm(limit)
         bad = dist.all_reduce_max(float(not (math.isfinite(norm) and math.isfinite(loss))))
         if bad:
             self.opt.zero_grad(set_to_none=True)
@@ -390,8 +315,8 @@ class Trainer:
         """Greedy accuracy on the validation subset, sharded across ranks, graded by the task's
         grader (looping answers stop early, as in the final evaluation)."""
         rows = self.eval_rows[self.info.rank::self.info.world_size]
-        with self._forward_only():
-            res = greedy_results(self.model, self.tok, rows, max_new_tokens=self.cfg.eval_max_new_tokens(),
+        with self.policy.forward_only():
+            res = greedy_results(self.policy.model, self.tok, rows, max_new_tokens=self.cfg.eval_max_new_tokens(),
                                  max_prompt_tokens=self.cfg.sampling.max_prompt_tokens,
                                  system_prompt=self.cfg.system_prompt, engine=self.engine,
                                  grade=tasks.task(self.cfg.task).grade)
@@ -455,10 +380,10 @@ class Trainer:
         """The final model (rank 0, to storage) and the stage summary (summary.json)."""
         summary = {"stage": self.cfg.runtime.stage, "iterations_run": it, "promoted_by_gate": promoted,
                    "resumed_from_iteration": resumed_from, "skipped_updates": self.state["skipped_updates"]}
-        gathered = sharding.full_state_dict(self.ddp) if self.sharded else None  # every rank takes part
+        gathered = self.policy.full_state_dict()  # every rank takes part
         if self.info.is_main:
-            model = self.model if self.lora is None else lora.merged(self.lora)  # a plain HF dir, no peft
-            summary["model_uri"] = self.checkpoints.publish_final(model, self.tok, self.out, gathered)
+            summary["model_uri"] = self.checkpoints.publish_final(self.policy.final_model(), self.tok, self.out,
+                                                                  gathered)
             summary.update(self.recorder.close(it))
             storage.atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=1))
         dist.barrier()
