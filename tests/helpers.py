@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_core.config.stage import GROUPS
+from grpo_core.config.groups import GROUPS
 
 REPO = Path(__file__).resolve().parents[1]
 # GSM8K_DIR unset or empty (README's commands leave it empty without ../shared): the shared copy's place

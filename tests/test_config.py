@@ -17,7 +17,7 @@ def test_config_choices_are_exactly_what_the_math_accepts():
     validated, so they cannot drift."""
     from grpo_core.algo import core as algorithm
     from grpo_core.algo import losses, objective
-    from grpo_core.config import stage as config
+    from grpo_core.config import groups as config
     assert config.SCALES == algorithm.ADVANTAGE_SCALES == tuple(objective.SCALES)
     assert config.loss_type_names() == tuple(losses.LOSS_TYPES)
     from grpo_core.model import loading as models
@@ -221,9 +221,9 @@ def test_the_configuration_page_reference_is_the_one_generated_from_the_field_do
     must be exactly what the generator makes of them, and every field must have one."""
     import dataclasses
 
+    from grpo_core.config.groups import GROUPS, StageRuntime
     from grpo_core.config.pipeline import ComputeConfig, EvalConfig, RegisterConfig, SFTConfig
     from grpo_core.config.reference import DEFAULT_TARGET, TABLES, field_docs, reference, replaced
-    from grpo_core.config.stage import GROUPS, StageRuntime
 
     page = (Path(__file__).resolve().parents[1] / DEFAULT_TARGET).read_text()
     fix = "python -m grpo_core.config.reference --write"

@@ -3,7 +3,8 @@ and a stage's ``rollout_engine`` picks the engine by name."""
 import pytest
 
 from grpo_core.config.checks import ConfigError
-from grpo_core.config.stage import ROLLOUT_ENGINES, GRPOConfig
+from grpo_core.config.groups import ROLLOUT_ENGINES
+from grpo_core.config.stage import GRPOConfig
 from grpo_core.model.loading import build_tiny
 from grpo_core.rollout import engines
 from grpo_core.train.entry import main

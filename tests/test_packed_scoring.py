@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import grpo_core.policy.scoring as scoring
-from grpo_core.config.stage import LoraSettings
+from grpo_core.config.groups import LoraSettings
 from grpo_core.model import lora
 from grpo_core.model.loading import enable_activation_checkpointing
 from grpo_core.policy import packed_scoring

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from grpo_core.config.checks import ConfigError
-from grpo_core.config.stage import GRPOConfig, PoolSettings
+from grpo_core.config.groups import PoolSettings
+from grpo_core.config.stage import GRPOConfig
 from grpo_core.data.pool import PromptPool
 from grpo_core.data.prompts import PromptStream
 from grpo_core.train.entry import main

@@ -7,7 +7,7 @@ import torch
 
 from grpo_core.algo import losses
 from grpo_core.algo.losses import grpo_loss, rollout_is_weights
-from grpo_core.config import stage as config
+from grpo_core.config import groups as config
 from grpo_core.train.iteration_metrics import add_mismatch, mismatch_metrics, new_mismatch
 
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -1.0]])

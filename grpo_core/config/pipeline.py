@@ -17,7 +17,8 @@ from grpo_core.config.checks import (
     from_dict,
     require,
 )
-from grpo_core.config.stage import TINY_ARCHITECTURES, GRPOConfig, StageRuntime
+from grpo_core.config.groups import TINY_ARCHITECTURES, StageRuntime
+from grpo_core.config.stage import GRPOConfig
 from grpo_core.config.stages import GRPO_STAGES
 from grpo_core.data.tasks import dataset_name, parse_dataset_name
 

@@ -18,8 +18,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+from grpo_core.config.groups import GROUPS, StageRuntime
 from grpo_core.config.pipeline import ComputeConfig, EvalConfig, PipelineConfig, RegisterConfig, SFTConfig
-from grpo_core.config.stage import GROUPS, GRPOConfig, StageRuntime
+from grpo_core.config.stage import GRPOConfig
 from grpo_core.config.stages import GRPO_STAGES
 
 DEFAULT_TARGET = "docs/configuration.md"  # relative to the repository root, where the command runs

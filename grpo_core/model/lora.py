@@ -15,7 +15,7 @@ import contextlib
 import torch
 
 from grpo_core.config.checks import ConfigError
-from grpo_core.config.stage import LoraSettings
+from grpo_core.config.groups import LoraSettings
 
 
 def attach(model, settings: LoraSettings, where: str):

@@ -135,6 +135,15 @@ def all_reduce_max(value: float, device=None) -> float:
     return t.item()
 
 
+def broadcast_str(value: str) -> str:
+    """Rank 0's ``value`` on every rank (itself when no process group is active)."""
+    if not active():
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier() -> None:
     if active():
         dist.barrier()

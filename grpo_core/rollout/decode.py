@@ -15,7 +15,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from grpo_core.config.stage import SAMPLERS
+from grpo_core.config.groups import SAMPLERS
 from grpo_core.model.lora import is_linear_map, linear_weights
 from grpo_core.rollout.loops import LoopRule, LoopTracker
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-import torch
-
 from grpo_core.io import storage
 from grpo_core.model.loading import save_policy
 from grpo_core.policy import dist
@@ -30,10 +28,8 @@ class StageCheckpoints:
         """The newest verified checkpoint, the same one on every rank (None: start at 0)."""
         locations = [str(self.dir)] + [storage.join(u, "checkpoints") for u in self.cfg.runtime.resume_from]
         path = checkpoint.latest(locations, self.scratch) if self.info.is_main else None
-        found = [str(path) if path else ""]
-        if dist.active():
-            torch.distributed.broadcast_object_list(found, src=0)
-        return self.readable(Path(found[0])) if found[0] else None
+        found = dist.broadcast_str(str(path) if path else "")
+        return self.readable(Path(found)) if found else None
 
     def readable(self, chosen: Path) -> Path:
         """``chosen`` (rank 0's path) where this rank can read it: that path when this rank sees
@@ -75,9 +71,7 @@ class StageCheckpoints:
         into_agreed_dir = None
         if write_shards is not None:
             def into_agreed_dir(tmp: Path | None) -> None:
-                agreed = [str(tmp) if tmp else ""]
-                torch.distributed.broadcast_object_list(agreed, src=0)
-                write_shards(Path(agreed[0]))
+                write_shards(Path(dist.broadcast_str(str(tmp) if tmp else "")))
 
             if not self.info.is_main:
                 into_agreed_dir(None)
