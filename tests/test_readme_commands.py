@@ -90,9 +90,9 @@ def check_card_server(newcomer, cmd: Command) -> None:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_http(url, 120, proc)
-        with urllib.request.urlopen(f"{url}/api/runs", timeout=10) as r:
+        with urllib.request.urlopen(f"{url}/runinfo", timeout=60) as r:  # the run it serves, its cards
             runs = json.load(r)
-        assert newcomer.first_run_id in json.dumps(runs), runs
+        assert newcomer.latest_run_id() in json.dumps(runs), runs  # the latest run, as `card view`
     finally:
         stop_group(proc, signal.SIGINT)
 
