@@ -202,3 +202,35 @@ def tiny(tmp_path_factory):
     from tests.helpers import tiny_model_dir
 
     return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def newcomer(tmp_path_factory, _sqlite_template):
+    """A copy of the project after README's run command (tiny config), typed once per session;
+    README's commands and the browser tests look at what it left (tests/newcomer.py)."""
+    from tests.helpers import REPO, require_gsm8k
+    from tests.newcomer import Project, kind_of, readme_commands
+
+    runs = [c for c in readme_commands((REPO / "README.md").read_text()) if kind_of(c) == "run"]
+    if not runs:
+        pytest.fail("README shows no `python flows/grpo_flow.py ... run` command in a fenced code block",
+                    pytrace=False)
+    require_gsm8k()
+    project = Project(tmp_path_factory.mktemp("newcomer"), _sqlite_template)
+    done = project.run(runs[0])
+    if done.returncode != 0:
+        pytest.fail(f"README's run command (line {runs[0].line}, tiny config) failed:\n{done.stdout[-5000:]}",
+                    pytrace=False)
+    project.first_run_id = project.latest_run_id()
+    yield project
+    project.close()
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """A headless Chromium (tests/browser.py); a missing chromium, chromedriver or selenium fails."""
+    from tests.browser import open_browser
+
+    driver = open_browser()
+    yield driver
+    driver.quit()
