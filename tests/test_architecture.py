@@ -114,3 +114,13 @@ def test_no_import_circle():
         if module not in state:
             visit(module)
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_the_project_dir_is_the_repository_root():
+    """The local default's stores live under it: one definition, one floor below every user of it,
+    and a module that moves deeper cannot silently move ``.grpo/`` into the package."""
+    from grpo_core.io.paths import PROJECT_DIR
+
+    assert PROJECT_DIR == REPO.resolve()
+    stray = [m for m, p in MODULES.items() if "parents[" in p.read_text() and m != "grpo_core.io.paths"]
+    assert not stray, f"compute the project's directory through grpo_core.io.paths, not __file__: {stray}"

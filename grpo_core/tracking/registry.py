@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 
 from grpo_core.evaluation.stats import accuracy, mcnemar_exact, wilson_interval
+from grpo_core.io.paths import PROJECT_DIR
 from grpo_core.tracking.runs import clean_tags, env_defaults, mlflow_client, resolve_tracking_uri, sqlite_path
 from grpo_core.tracking.served_model import DEFAULT_MAX_NEW_TOKENS, QUIET, log_pyfunc_model, use_uri
 
 RULES = ("significant", "better", "always")
 MAX_DECISIONS = 3  # decisions re-taken when concurrent registrations keep moving @champion
-PROJECT_DIR = Path(__file__).resolve().parents[1]  # as grpo_core.pipeline.steps: the local default's .grpo/ is here
 
 
 # ---------------------------------------------------------------- pure decision logic
