@@ -37,10 +37,10 @@ def ddp_part(tmp: str) -> dict:
         check("all_reduce sum over ranks", ok_reduce)
         one = trainer_for(model_dir, f"{tmp}/one", dist.DistInfo(0, 1, 0, dev), prompts_per_iter=2 * world)
         one.update(copy.deepcopy(full))
-        ok, worst = close_grads(ddp_grads, grads(one.model))
+        ok, worst = close_grads(ddp_grads, grads(one.policy.model))
         check("DDP update gradients == one-process update (dapo)", ok, f"(worst rel diff {worst:.1e})")
         res["worst_rel_grad_diff"] = worst
-        reference = grads(one.model) if world > 1 else direct_grads(model_dir, dev, full)
+        reference = grads(one.policy.model) if world > 1 else direct_grads(model_dir, dev, full)
         ok, worst = close_grads(fsdp["fp32"], reference)
         check(f"FSDP2 fp32 gradients == one-process ({'trainer update' if world > 1 else '1-rank shard'})",
               ok, f"(worst rel diff {worst:.1e})")
