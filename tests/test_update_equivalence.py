@@ -1,6 +1,6 @@
 """One GRPO update, split every way, equals the one-process full-batch update: two torchrun ranks
-(gloo) under DDP, with gradient checkpointing, uneven or empty ranks and the batch std; micro-
-batches for every loss type; rows left out of the loss add nothing.
+(gloo) under DDP, with gradient checkpointing, uneven or empty ranks and the batch std;
+micro-batches for every loss type; rows left out of the loss add nothing.
 """
 
 import pytest
