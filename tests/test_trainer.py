@@ -193,7 +193,7 @@ def test_dropout_is_off_in_the_policy_unless_asked_for(tmp_path):
 def test_end_worker_process_exits_0_with_output_flushed_only_under_torchrun(under_torchrun):
     """Under torchrun (RANK and LOCAL_RANK set) a finished worker leaves at once with status 0
     and its unflushed stdout/stderr written; alone the call returns and the script goes on."""
-    script = ("import sys; from grpo_core import dist; print('out', end=''); sys.stderr.write('err'); "
+    script = ("import sys; from grpo_core.policy import dist; print('out', end=''); sys.stderr.write('err'); "
               "dist.end_worker_process(); raise SystemExit(3)")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
     if under_torchrun:
