@@ -1,5 +1,5 @@
 """Grading speed on adversarial completions: how long ``gsm8k_reward`` + ``format_ok`` take on each
-~200k-character input of tests/test_rewards.py's ADVERSARIAL table (the unit test checks only that
+~200k-character input of tests/test_adversarial_answers.py's ADVERSARIAL table (the unit test checks only that
 the work grows linearly). Prints the median and quartiles per input and writes
 benchmarks/results/bench_answers.json.
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from grpo_core.data.answers import format_ok
 from grpo_core.data.rewards import gsm8k_reward
-from tests.test_rewards import ADVERSARIAL
+from tests.test_adversarial_answers import ADVERSARIAL
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_answers.json"
 

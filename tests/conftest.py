@@ -234,3 +234,26 @@ def browser():
     driver = open_browser()
     yield driver
     driver.quit()
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory):
+    """A moto S3 server per test module, with a bucket 'ckpts': its request log shows the order of uploads."""
+    import boto3
+
+    svc = start_moto(tmp_path_factory.mktemp("moto-reliability"))
+    boto3.client("s3", endpoint_url=svc.url, region_name="us-east-1",
+                 aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket="ckpts")
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture
+def s3(moto, monkeypatch):
+    """A boto3 client of ``moto``; the environment points grpo_core's storage at it for this test."""
+    import boto3
+
+    for k, v in S3_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("GRPO_S3_ENDPOINT_URL", moto.url)
+    return boto3.client("s3", endpoint_url=moto.url, region_name="us-east-1")

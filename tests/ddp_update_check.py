@@ -1,4 +1,4 @@
-"""Run by tests/test_trainer.py, alone or under torchrun: one GRPO update on a fixed global batch.
+"""Run by tests/trainer_helpers.py:ddp_update, alone or under torchrun: one GRPO update on a fixed global batch.
 
 Each rank takes its half of the same batch (8 completions, or 4 x ``groups``) (uneven completion lengths, so the two
 halves hold different token counts) and calls the real ``Trainer.update``; rank 0 saves the

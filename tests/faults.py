@@ -3,7 +3,7 @@
 Product code has no fault-injection hook: these context managers wrap one real method of the
 real trainer for the duration of a ``with`` block, so the stage dies at the chosen point and
 everything it wrote before stays as a crash would leave it. Crashes of whole processes come
-from outside instead: SIGKILL of a torchrun worker (``tests/test_reliability.py``) and a worker
+from outside instead: SIGKILL of a torchrun worker (``tests/test_checkpoint_damage.py``) and a worker
 that kills itself (``tests/faulty_rewards.py:gsm8k_correctness_killed_on_call``, used by the flow
 tests).
 """

@@ -17,17 +17,17 @@ from grpo_core.config.pipeline import PipelineConfig, deep_merge
 from grpo_core.config.stage import GRPOConfig
 from grpo_core.io import storage
 from grpo_core.train import checkpoint
+from tests.fault_helpers import finish_torchrun, logged_iterations, start_torchrun, torchrun_worker, wait_for_iteration
 from tests.helpers import same_weights
-from tests.test_reliability import _finish, _iterations, _torchrun, _wait_for_iteration, _worker
-from tests.test_trainer import _update
+from tests.trainer_helpers import ddp_update
 
 FSDP2 = {"execution": {"parallelism": "fsdp2"}}
 
 
 def test_fsdp2_update_equals_ddp_and_one_process_with_half_the_memory_per_rank(tiny, tmp_path):
-    one, one_calls = _update(tiny, tmp_path / "one.st", 1, "dapo")
-    ddp, _ = _update(tiny, tmp_path / "ddp.st", 2, "dapo")
-    fsdp, fsdp_calls = _update(tiny, tmp_path / "fsdp.st", 2, "dapo", **FSDP2)
+    one, one_calls = ddp_update(tiny, tmp_path / "one.st", 1, "dapo")
+    ddp, _ = ddp_update(tiny, tmp_path / "ddp.st", 2, "dapo")
+    fsdp, fsdp_calls = ddp_update(tiny, tmp_path / "fsdp.st", 2, "dapo", **FSDP2)
     # one process: shared-prefix scoring of the reference and the policy; fsdp2: the reference
     # (on gathered weights) only, FSDP's root scores with one full forward
     assert (one_calls, fsdp_calls) == (2, 1)
@@ -44,9 +44,9 @@ def test_fsdp2_update_equals_ddp_and_one_process_with_half_the_memory_per_rank(t
 def test_fsdp2_micro_batches_and_bf16_follow_the_full_batch_update(tiny, tmp_path):
     """Micro-batches (reduce-scatter after each backward, summed in the shards) give the same
     gradient; bf16 through FSDP's mixed-precision policy gives nearly the same direction."""
-    one, _ = _update(tiny, tmp_path / "one.st", 1, "dapo")
-    micro, _ = _update(tiny, tmp_path / "micro.st", 2, "dapo", micro_batch_groups=1, **FSDP2)
-    bf16, _ = _update(tiny, tmp_path / "bf16.st", 2, "dapo", execution={"parallelism": "fsdp2", "precision": "bf16"})
+    one, _ = ddp_update(tiny, tmp_path / "one.st", 1, "dapo")
+    micro, _ = ddp_update(tiny, tmp_path / "micro.st", 2, "dapo", micro_batch_groups=1, **FSDP2)
+    bf16, _ = ddp_update(tiny, tmp_path / "bf16.st", 2, "dapo", execution={"parallelism": "fsdp2", "precision": "bf16"})
     for k in one:
         assert torch.allclose(micro[k], one[k], atol=1e-7, rtol=1e-4), k
     flat = lambda g: torch.cat([g[k].flatten().double() for k in sorted(one)])  # noqa: E731
@@ -58,8 +58,8 @@ def test_fsdp2_ranks_with_different_numbers_of_micro_batches_equal_one_process(t
     """Dynamic sampling can leave ranks with different numbers of groups: here 1 and 3, scored
     one group per micro-batch. Each FSDP layer call is a collective, so rank 0 runs two
     zero-weighted micro-batches to match rank 1 (without them the ranks' all-gathers mismatch)."""
-    one, _ = _update(tiny, tmp_path / "one.st", 1, "grpo", groups=4)
-    two, _ = _update(tiny, tmp_path / "two.st", 2, "grpo", groups=4, rank0_groups=1, micro_batch_groups=1, **FSDP2)
+    one, _ = ddp_update(tiny, tmp_path / "one.st", 1, "grpo", groups=4)
+    two, _ = ddp_update(tiny, tmp_path / "two.st", 2, "grpo", groups=4, rank0_groups=1, micro_batch_groups=1, **FSDP2)
     assert max(g.abs().max().item() for g in one.values()) > 1e-4
     for k in one:
         assert torch.allclose(one[k], two[k], atol=1e-7, rtol=1e-4), k
@@ -70,23 +70,24 @@ def test_fsdp2_killed_run_resumes_from_its_sharded_checkpoint_to_the_uninterrupt
               **FSDP2)
     killed, straight = tmp_path / "killed", tmp_path / "straight"
     log = tmp_path / "killed.log"
-    proc = _torchrun(tiny, killed, log, **kw)
-    _wait_for_iteration(proc, killed, log, 3)
-    os.kill(_worker(proc.pid, rank=1).pid, signal.SIGKILL)  # a rank that writes only its shards
-    assert _finish(proc, log) != 0
+    proc = start_torchrun(tiny, killed, log, **kw)
+    wait_for_iteration(proc, killed, log, 3)
+    os.kill(torchrun_worker(proc.pid, rank=1).pid, signal.SIGKILL)  # a rank that writes only its shards
+    assert finish_torchrun(proc, log) != 0
     assert not (killed / "final").exists(), "kill came too late"
     last = checkpoint.latest_local(killed / "checkpoints")
     assert last is not None and checkpoint.iteration_of(last.name) >= 2
     names = {p.name for p in last.iterdir()}
     assert {checkpoint.SHARDED, "__0_0.distcp", "__1_0.distcp"} <= names and not names & checkpoint.WEIGHTS
 
-    rerun = _torchrun(tiny, killed, log, **kw)
-    assert _finish(rerun, log) == 0, log.read_text()[-3000:]
-    straight_proc = _torchrun(tiny, straight, tmp_path / "straight.log", **kw)
-    assert _finish(straight_proc, tmp_path / "straight.log") == 0, (tmp_path / "straight.log").read_text()[-3000:]
+    rerun = start_torchrun(tiny, killed, log, **kw)
+    assert finish_torchrun(rerun, log) == 0, log.read_text()[-3000:]
+    straight_proc = start_torchrun(tiny, straight, tmp_path / "straight.log", **kw)
+    assert finish_torchrun(straight_proc, tmp_path / "straight.log") == 0, \
+        (tmp_path / "straight.log").read_text()[-3000:]
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["resumed_from_iteration"] == checkpoint.iteration_of(last.name) and summary["iterations_run"] == 6
-    assert _iterations(killed) == list(range(1, 7))
+    assert logged_iterations(killed) == list(range(1, 7))
     rows = [json.loads(ln) for ln in (straight / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows if "eval_accuracy" in r] == [3, 6]  # evaluation on gathered weights
     assert json.loads((straight / "objective.json").read_text())["parallelism"].startswith("fsdp2: ")

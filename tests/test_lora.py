@@ -19,9 +19,7 @@ from grpo_core.train.entry import load_config, main
 from grpo_core.train.trainer import Trainer
 from tests.faults import InjectedFault, crash_after_iteration
 from tests.helpers import fixed_rollout_batch, same_weights
-from tests.test_trainer import _in_process_trainer
-from tests.test_trainer import _stage as trainer_stage
-from tests.test_trainer import _update as ddp_update
+from tests.trainer_helpers import ddp_update, in_process_trainer, trainer_stage
 
 LORA = {"rank": 4, "alpha": 8.0}
 
@@ -30,7 +28,7 @@ def _trainer(tiny, out, **kw) -> Trainer:
     """One update per ``update()`` call (mu = 1), as the tests below count steps."""
     base = dict(optim=dict(lr=1e-2, max_grad_norm=0.0, mu=1), prompts_per_iter=2, sampling=dict(max_new_tokens=7),
                 lora=LORA)
-    return _in_process_trainer(tiny, out, **deep_merge(base, kw))
+    return in_process_trainer(tiny, out, **deep_merge(base, kw))
 
 
 def _logp(model, batch) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The loss entries beyond PPO's token clip: GSPO and CISPO, hand-computed; and the seam itself (one
 entry reaches the config, the objective card and the micro-batch weights). The float64 loop
-reference for every entry is in test_algorithm.py."""
+reference for every entry is in test_grpo_loss.py."""
 
 import math
 

@@ -12,7 +12,8 @@ from botocore.exceptions import EndpointConnectionError
 
 from grpo_core.io import storage
 from grpo_core.train import checkpoint
-from tests.test_reliability import DroppingProxy, _put_checkpoint, _small_state, moto, s3  # noqa: F401
+from tests.fault_helpers import small_state
+from tests.s3_helpers import DroppingProxy, put_checkpoint
 
 ROOT = "s3://ckpts/failures"
 
@@ -32,15 +33,15 @@ def _hooked_client(monkeypatch, event: str, handler):
 def _latest_is(root: str, iteration: int, scratch) -> None:
     found = checkpoint.latest([root], scratch)
     assert found is not None and checkpoint.verify(found)
-    assert checkpoint.load(found, *_small_state(seed=9))["iteration"] == iteration
+    assert checkpoint.load(found, *small_state(seed=9))["iteration"] == iteration
 
 
-def test_an_upload_whose_size_check_fails_does_not_count(s3, tmp_path, monkeypatch):  # noqa: F811
+def test_an_upload_whose_size_check_fails_does_not_count(s3, tmp_path, monkeypatch):
     """A weights file that grows after its upload (still being written): the size check stops
     put_dir before the manifest, so ckpt 4 never counts and resume takes ckpt 2."""
     root = f"{ROOT}/size/checkpoints"
-    _put_checkpoint(tmp_path / "a", root, 2)
-    local = checkpoint.save(tmp_path / "b", 4, *_small_state(seed=4), {"data_position": 4})
+    put_checkpoint(tmp_path / "a", root, 2)
+    local = checkpoint.save(tmp_path / "b", 4, *small_state(seed=4), {"data_position": 4})
 
     def grow(params, **_):
         if params["Key"].endswith("model.safetensors"):
@@ -58,7 +59,7 @@ def test_an_upload_whose_size_check_fails_does_not_count(s3, tmp_path, monkeypat
         _latest_is(root, 2, tmp_path / "scratch")
 
 
-def test_per_key_delete_errors_name_the_key_and_keep_the_new_upload(s3, tmp_path, monkeypatch):  # noqa: F811
+def test_per_key_delete_errors_name_the_key_and_keep_the_new_upload(s3, tmp_path, monkeypatch):
     """put_dir over an old layout: S3 refuses to delete one leftover (a per-key error in a 200
     answer); put_dir fails naming it, after the new files are all uploaded."""
     first, second = tmp_path / "first", tmp_path / "second"
@@ -83,12 +84,12 @@ def test_per_key_delete_errors_name_the_key_and_keep_the_new_upload(s3, tmp_path
     assert (got / "config.json").read_text() == "second:config.json"
 
 
-def test_a_download_failing_half_way_names_the_key_and_loses_no_checkpoint(s3, tmp_path, monkeypatch):  # noqa: F811
+def test_a_download_failing_half_way_names_the_key_and_loses_no_checkpoint(s3, tmp_path, monkeypatch):
     """The connection drops after some files of ckpt 4 arrived: the resume stops naming the object
     (it does not fall back to ckpt 2 on a network fault); with the network back it takes ckpt 4."""
     root = f"{ROOT}/download/checkpoints"
-    _put_checkpoint(tmp_path / "a", root, 2)
-    _put_checkpoint(tmp_path / "b", root, 4)
+    put_checkpoint(tmp_path / "a", root, 2)
+    put_checkpoint(tmp_path / "b", root, 4)
     fetched = []
 
     def drop_on_the_optimizer(params, **_):
@@ -105,16 +106,16 @@ def test_a_download_failing_half_way_names_the_key_and_loses_no_checkpoint(s3, t
     assert checkpoint.stored_complete(storage.join(root, "ckpt-000002"))
 
 
-def test_retries_running_out_name_the_key_and_leave_the_stored_checkpoint(s3, moto, tmp_path,  # noqa: F811
+def test_retries_running_out_name_the_key_and_leave_the_stored_checkpoint(s3, moto, tmp_path,
                                                                           monkeypatch):
     """Every connection reset: the upload gives up after S3_MAX_ATTEMPTS tries, naming the first
     object; ckpt 2, written before, is intact and is what a resume finds."""
     root = f"{ROOT}/retries/checkpoints"
-    _put_checkpoint(tmp_path / "a", root, 2)
+    put_checkpoint(tmp_path / "a", root, 2)
     monkeypatch.setattr(storage, "S3_MAX_ATTEMPTS", 3)  # the backoff of 8 tries would take ~a minute
     proxy = DroppingProxy(moto.port, drop=10**6)
     monkeypatch.setenv("GRPO_S3_ENDPOINT_URL", proxy.url)
-    local = checkpoint.save(tmp_path / "b", 4, *_small_state(seed=4), {"data_position": 4})
+    local = checkpoint.save(tmp_path / "b", 4, *small_state(seed=4), {"data_position": 4})
     try:
         with pytest.raises(RuntimeError, match=r"S3 request failed for s3://ckpts/failures/retries/checkpoints/"
                                                r"ckpt-000004/\S+: .*endpoint"):
@@ -128,7 +129,7 @@ def test_retries_running_out_name_the_key_and_leave_the_stored_checkpoint(s3, mo
     _latest_is(root, 2, tmp_path / "scratch")
 
 
-def test_read_text_names_the_key_for_errors_other_than_a_missing_key(s3, moto, tmp_path, monkeypatch):  # noqa: F811
+def test_read_text_names_the_key_for_errors_other_than_a_missing_key(s3, moto, tmp_path, monkeypatch):
     storage.write_text(f"{ROOT}/read/pending_metrics.jsonl", '{"iteration": 1}\n')
     assert storage.read_text(f"{ROOT}/read/absent.jsonl") is None  # a missing key: nothing to read
     with pytest.raises(RuntimeError, match=r"s3://no-such-bucket/run/pending_metrics\.jsonl: .*NoSuchBucket"):

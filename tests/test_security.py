@@ -117,7 +117,7 @@ def test_env_credentials_never_reach_mlflow_metaflow_logs_or_cards(tmp_path):
     """One tiny flow run with fake secrets in its environment, then every channel is scanned.
     A control string (the config name, which is meant to be logged) must be found in each
     channel, so a scan that cannot see (undecoded gzip/base64, wrong store) fails the test."""
-    from tests.test_flow import run_flow, tiny_config
+    from tests.flow_helpers import run_flow, tiny_config
 
     control = f"cfg-{uuid.uuid4().hex[:8]}"
     cfg = tiny_config(tmp_path, name=control, sft={"steps": 10},
