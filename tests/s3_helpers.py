@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 from grpo_core.io import storage
-from grpo_core.train.entry import checkpoint
+from grpo_core.train import checkpoint
 from tests.fault_helpers import small_state
 
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_core.train.entry import checkpoint, main
+from grpo_core.train import checkpoint
+from grpo_core.train.entry import main
 from tests.fault_helpers import (
     finish_torchrun,
     logged_iterations,
@@ -123,7 +124,7 @@ DISK_FULL = r"""
 import json, os, resource, signal, sys
 from pathlib import Path
 import torch
-from grpo_core.train.entry import checkpoint
+from grpo_core.train import checkpoint
 from grpo_core.io import storage
 from grpo_core.model.loading import build_tiny, save_policy
 root = Path(sys.argv[1])

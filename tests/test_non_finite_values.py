@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from grpo_core.train.entry import checkpoint, main
+from grpo_core.train import checkpoint
+from grpo_core.train.entry import main
 from grpo_core.train.trainer import NonFiniteError
 from tests import faulty_rewards
 from tests.fault_helpers import short_stage

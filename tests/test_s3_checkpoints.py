@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from grpo_core.io import storage
-from grpo_core.train.entry import checkpoint
+from grpo_core.train import checkpoint
 from tests.fault_helpers import small_state
 from tests.s3_helpers import DroppingProxy, put_checkpoint
 

@@ -80,7 +80,7 @@ def test_a_copy_cut_short_is_republished_and_the_chain_reaches_the_first_attempt
 
     from grpo_core.io import storage
     from grpo_core.pipeline.steps import RESUME_CHAIN, resume_chain
-    from grpo_core.train.entry import checkpoint
+    from grpo_core.train import checkpoint
 
     sync = {r: str(tmp_path / "store" / r) for r in "ABC"}
     with crash_after_iteration(5), pytest.raises(InjectedFault):
@@ -104,7 +104,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tiny, tmp_path):
     main(trainer_stage(tiny, tmp_path, iterations=4, checkpoint=dict(keep=3)))
     latest = tmp_path / "checkpoints" / "ckpt-000004" / "model.safetensors"
     latest.write_bytes(latest.read_bytes()[:-100])  # truncated
-    from grpo_core.train.entry import checkpoint
+    from grpo_core.train import checkpoint
     with pytest.warns(UserWarning, match="checksum"):
         found = checkpoint.latest_local(tmp_path / "checkpoints")
     assert found.name == "ckpt-000002"
