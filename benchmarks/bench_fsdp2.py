@@ -58,7 +58,7 @@ def worker(args) -> None:
 
     def update(self, batch):  # the rank's holdings right after an optimizer step
         out = real_update(self, batch)
-        holder.update(sharding.training_bytes(self.model, self.opt))
+        holder.update(sharding.training_bytes(self.policy.model, self.opt))
         return out
 
     trainer_module.Trainer.update = update

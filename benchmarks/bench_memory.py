@@ -125,6 +125,7 @@ def worker(args) -> dict:
     import torch
     from bench_grpo import run_ours
 
+    import grpo_core.policy.policy as policy_module
     import grpo_core.train.trainer as trainer_module
     from grpo_core.policy.sharding import training_bytes
 
@@ -137,12 +138,13 @@ def worker(args) -> dict:
                  **VARIANTS[args.worker]}
     runtime_gb = current_rss_gb()  # python, torch and transformers imported, nothing loaded
     held, saved, real_update = {}, SavedActivations(), trainer_module.Trainer.update
-    trainer_module.completion_logprobs = saved.wrap(trainer_module.completion_logprobs)
+    policy_module.completion_logprobs = saved.wrap(policy_module.completion_logprobs)  # the update's forward
 
     def update(self, batch):  # what the process holds right after an optimizer step
         out = real_update(self, batch)
-        held.update(training_bytes(self.model, self.opt))
-        held["reference"] = sum(p.numel() * p.element_size() for p in self.ref.parameters()) if self.ref else 0
+        held.update(training_bytes(self.policy.model, self.opt))
+        ref = self.policy.ref
+        held["reference"] = sum(p.numel() * p.element_size() for p in ref.parameters()) if ref else 0
         return out
 
     trainer_module.Trainer.update = update

@@ -127,10 +127,13 @@ class Policy:
             yield
 
     # ---------------------------------------------------------------- weights in and out
-    def sync(self, engine) -> None:
-        """Hand the engine the current weights (full ones under FSDP2)."""
+    @contextlib.contextmanager
+    def synced(self, engine):
+        """A block where ``engine`` samples with the current weights: under FSDP2 the full weights
+        are gathered once, for the sync and the sampling both."""
         with self.forward_only():
             engine.sync_weights(self.model)
+            yield engine
 
     def shard_writer(self, opt):
         """Under FSDP2, the function that writes this rank's shards of model and optimizer to a

@@ -151,8 +151,7 @@ class Trainer:
         c = self.cfg
         everyone = self._draw(n_prompts, drawn, roll)
         rows = self._shard(everyone)
-        self.policy.sync(self.engine)
-        with self.policy.forward_only():
+        with self.policy.synced(self.engine):
             batch = self.engine.generate(rows, c.sampling.group_size, self.sampling)
         t0 = time.perf_counter()
         total, parts = combine_rewards(self.rewards, batch.prompts, batch.completions, batch.reward_columns(),
