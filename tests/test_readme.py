@@ -20,6 +20,8 @@ def test_readme_test_command_installs_and_runs_what_ci_runs():
     ci_installs = re.findall(req_files, CI_RUN)
     assert ci_installs and set(re.findall(req_files, cmd)) == set(ci_installs), (cmd, ci_installs)
     assert "requirements-bench.txt" in ci_installs, "the TRL smoke test needs trl"
+    ci_scripts = re.findall(r"^(infra/[\w-]+\.sh)", CI_RUN, flags=re.M)  # chromium, the vLLM venv
+    assert ci_scripts and all(s in cmd for s in ci_scripts), (cmd, ci_scripts)
     [ci_pytest] = re.findall(r"^python -m pytest.*$", CI_RUN, flags=re.M)
     assert cmd.endswith(ci_pytest), (cmd, ci_pytest)
     assert "--durations=25" in ci_pytest
