@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 from grpo_core.config.checks import ConfigError
-from grpo_core.io.paths import PROJECT_DIR as REPO_ROOT
+from grpo_core.io.paths import PROJECT_DIR
 from grpo_core.rollout.batch import RolloutBatch
 from grpo_core.rollout.vllm_server import VllmServer, VllmServerError
 
-DEFAULT_VENV = REPO_ROOT / ".vllm-venv"
+DEFAULT_VENV = PROJECT_DIR / ".vllm-venv"
 BUILD_COMMAND = "infra/vllm-env.sh"
 SERVED_NAME = "policy"
 
