@@ -11,13 +11,12 @@ tokens, beta 0.04) at the schedule the recorded results used (``MEASURED``: 30 i
 1e-5, whatever local.toml's own schedule) with the variant's changes, trained by ``python -m grpo_core.train``
 in a child process of its own (peak RSS: that process's ``ru_maxrss``, model loading included;
 seconds per iteration: the median over iterations of metrics.jsonl's phase times). Evaluation is
-the pipeline's: greedy, the first ``[evaluate] arithmetic_size`` items of the 0..30 test split, cap
+the pipeline's: greedy, the first ``[evaluate.arithmetic] size`` items of the 0..30 test split, cap
 ``max_new_tokens``. Writes ``benchmarks/results/<name>.json`` with every item's result.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import resource
@@ -81,13 +80,12 @@ def evaluate(model_dir: str) -> list[dict]:
     from grpo_core.model.loading import load_policy
 
     pipe = PipelineConfig.from_dict(parse_config_text((ROOT / "flows/configs/local.toml").read_text()))
-    arithmetic_only = dataclasses.replace(pipe.evaluate, gsm8k_size=-1)
     task = tasks.task("arithmetic")
     params = task.params_of(pipe.stage("curriculum", model="-"))
-    rows = eval_sets(arithmetic_only, {"arithmetic_test": params})["arithmetic_test"]
+    rows = eval_sets(pipe.evaluate, {"arithmetic_test": params})["arithmetic_test"]
     model, tok = load_policy(model_dir)
     torch.manual_seed(0)
-    return greedy_results(model, tok, rows, max_new_tokens=pipe.evaluate.max_new_tokens)
+    return greedy_results(model, tok, rows, max_new_tokens=pipe.evaluate.budget("arithmetic_test"))
 
 
 def main(argv=None):

@@ -21,7 +21,7 @@ TINY = {
                    "checkpoint": {"every": 2}, "validation": {"every": 2, "size": 8}},
     "gsm8k": {"iterations": 4, "prompts_per_iter": 2, "sampling": {"group_size": 4, "max_new_tokens": 12},
               "checkpoint": {"every": 2}, "validation": {"size": 4}},
-    "evaluate": {"gsm8k_size": 8, "arithmetic_size": 16, "max_new_tokens": 12},
+    "evaluate": {"gsm8k": {"size": 8}, "arithmetic": {"size": 16}, "max_new_tokens": 12},
 }
 
 os.environ.setdefault("USERNAME", "pytest")  # Runner resolves the Metaflow user in this process too

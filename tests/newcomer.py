@@ -32,7 +32,7 @@ SHRINK = {
                    "checkpoint": {"every": 2}, "validation": {"every": 2, "size": 8}},
     "gsm8k": {"iterations": 2, "prompts_per_iter": 2, "sampling": {"group_size": 4, "max_new_tokens": 12},
               "checkpoint": {"every": 2}, "validation": {"size": 4}},
-    "evaluate": {"gsm8k_size": 8, "gsm8k_bounded_size": 4, "sampled_size": 4, "arithmetic_size": 16,
+    "evaluate": {"gsm8k": {"size": 8, "bounded_size": 4}, "arithmetic": {"size": 16}, "sampled_size": 4,
                  "max_new_tokens": 12},
 }
 

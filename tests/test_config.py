@@ -95,8 +95,15 @@ def test_gate_patience_below_one_is_refused(patience):
 @pytest.mark.parametrize("override,match", [
     ({"evaluate": {"batch_size": 0}}, r"evaluate\.batch_size: must be >= 1, got 0"),
     ({"evaluate": {"max_new_tokens": 0}}, r"evaluate\.max_new_tokens: must be >= 1, got 0"),
-    ({"evaluate": {"arithmetic_size": -1}}, r"evaluate\.arithmetic_size: must be >= 0 .*got -1"),
-    ({"evaluate": {"gsm8k_size": -2}}, r"evaluate\.gsm8k_size: must be >= -1 .*-1 to skip GSM8K.*got -2"),
+    ({"evaluate": {"arithmetic": {"size": -2}}}, r"evaluate\.arithmetic\.size: must be >= -1 .*-1 to skip\), got -2"),
+    ({"evaluate": {"gsm8k": {"bounded_size": -1}}}, r"evaluate\.gsm8k\.bounded_size: must be >= 0, got -1"),
+    ({"evaluate": {"gsm8k": {"sized": 3}}}, r"unknown field config\.evaluate\.gsm8k\.sized\. Did you mean 'size'"),
+    ({"evaluate": {"arithmetic": {"max_difficulty": 2}}},
+     r"evaluate\.arithmetic\.max_difficulty: task 'arithmetic' has no difficulty bound"),
+    ({"evaluate": {"gsm8k_size": 5}},
+     r"evaluate\.gsm8k_size moved to the task's table: write it as \[evaluate\.gsm8k\] size"),
+    ({"evaluate": {"engine": "sglang"}}, r"evaluate\.engine"),
+    ({"evaluate": {"vllm": {"port": 70000}}}, r"evaluate\.vllm\.port: must be in 0\.\.65535"),
     ({"register": {"alpha": 0}}, r"register\.alpha: must be .*strictly between 0 and 1"),
     ({"register": {"alpha": 1.0}}, r"register\.alpha: must be .*strictly between 0 and 1"),
     ({"register": {"alpha": -0.05}}, r"register\.alpha"),
@@ -128,14 +135,14 @@ def test_out_of_range_values_name_the_field_and_fix(override, match):
 
 def test_boundary_values_are_accepted():
     pc = PipelineConfig.from_dict({
-        "evaluate": {"gsm8k_size": -1, "arithmetic_size": 1, "max_new_tokens": 1, "batch_size": 1},
+        "evaluate": {"gsm8k": {"size": -1}, "arithmetic": {"size": 1}, "max_new_tokens": 1, "batch_size": 1},
         "register": {"alpha": 0.5, "primary": "arithmetic_test"},
         "compute": {"threads_per_proc": 1, "cpu": 1, "memory": 1, "gpu": 0, "shared_memory": 1, "disk": 1},
         "curriculum": {"gate": {"metric": "reward", "threshold": -0.5, "patience": 1},
                        "validation": {"max_new_tokens": 0}, "sampling": {"max_resample_rounds": 0},
                        "loss": {"clip_high": 0.28}},
     })
-    assert pc.evaluate.gsm8k_size == -1 and pc.compute.disk == 1
+    assert pc.eval_set_names() == ["arithmetic_test"] and pc.compute.disk == 1
     assert pc.stage("curriculum", model="m").gate.patience == 1
 
 
@@ -221,15 +228,16 @@ def test_the_configuration_page_reference_is_the_one_generated_from_the_field_do
     must be exactly what the generator makes of them, and every field must have one."""
     import dataclasses
 
+    from grpo_core.config.evaluation import EvalConfig, TaskEval
     from grpo_core.config.groups import GROUPS, StageRuntime
-    from grpo_core.config.pipeline import ComputeConfig, EvalConfig, RegisterConfig, SFTConfig
+    from grpo_core.config.pipeline import ComputeConfig, RegisterConfig, SFTConfig
     from grpo_core.config.reference import DEFAULT_TARGET, TABLES, field_docs, reference, replaced
 
     page = (Path(__file__).resolve().parents[1] / DEFAULT_TARGET).read_text()
     fix = "python -m grpo_core.config.reference --write"
     assert replaced(page) == page, f"{DEFAULT_TARGET}'s config reference drifted from the docstrings: {fix}"
     for cls in (PipelineConfig, ComputeConfig, SFTConfig, GRPOConfig, *GROUPS.values(), StageRuntime, EvalConfig,
-                RegisterConfig):
+                TaskEval, RegisterConfig):
         docs = field_docs(cls)
         undocumented = [f.name for f in dataclasses.fields(cls) if f.name not in docs and f.name not in TABLES]
         assert not undocumented, f"{cls.__name__} fields without a docstring: {undocumented}"

@@ -40,7 +40,7 @@ def test_arithmetic_splits_are_disjoint_cover_everything_and_keep_commuted_twins
 
 
 def test_the_curriculum_gate_selects_on_validation_and_the_evaluation_reports_test():
-    cfg = PipelineConfig.from_dict({"evaluate": {"gsm8k_size": -1, "arithmetic_size": 500},
+    cfg = PipelineConfig.from_dict({"evaluate": {"gsm8k": {"size": -1}, "arithmetic": {"size": 500}},
                                     "register": {"primary": "arithmetic_test"}})
     stage = GRPOConfig(task="arithmetic", runtime=dict(model="-"))
     validation, training = _ids(eval_rows(stage, 10_000)), _ids(train_rows(stage))
@@ -132,7 +132,7 @@ def test_a_new_task_is_one_file_that_config_training_and_evaluation_pick_up(tmp_
     config accepts its name, training and the gate read its splits, the evaluation its test split."""
     import grpo_core.data.tasks as tasks_pkg
     from grpo_core.config.checks import ConfigError
-    from grpo_core.config.pipeline import EvalConfig
+    from grpo_core.config.evaluation import EvalConfig
 
     (tmp_path / "parity.py").write_text(PARITY_TASK)
     with pytest.raises(ConfigError, match="parity"):
@@ -143,7 +143,7 @@ def test_a_new_task_is_one_file_that_config_training_and_evaluation_pick_up(tmp_
         stage = GRPOConfig(task="parity", runtime=dict(model="-"), arithmetic_max=99)
         train, validation = _ids(train_rows(stage)), _ids(eval_rows(stage, 1000))
         assert train and validation and not train & validation and len(train | validation) < 100
-        test = eval_sets(EvalConfig(), {"parity_test": {"arithmetic_max": 99}})  # no size field: all of it
+        test = eval_sets(EvalConfig(), {"parity_test": {"arithmetic_max": 99}})  # size 300 > the split: all
         assert list(test) == ["parity_test"] and not _ids(test["parity_test"]) & (train | validation)
         assert tasks_pkg.split_of("parity_validation") == (tasks_pkg.task("parity"), "validation")
     finally:

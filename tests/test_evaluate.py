@@ -1,7 +1,8 @@
 """Evaluation records: truncation share, the pairing with the start model, the summary table."""
 import pytest
 
-from grpo_core.config.pipeline import EvalConfig
+from grpo_core.config.evaluation import EvalConfig
+from grpo_core.config.pipeline import PipelineConfig
 from grpo_core.evaluation.greedy import compare_to_start, summarize
 from grpo_core.evaluation.sampled import summarize_sampled
 from grpo_core.pipeline.evaluation_step import paired_with_start, summary_table
@@ -64,10 +65,21 @@ def test_stage_table_pairs_every_stage_with_the_start_row():
     assert "promoted (p=3e-14, 10 items)" in table
 
 
-def test_gsm8k_gets_its_own_generation_cap():
-    e = EvalConfig(max_new_tokens=128, gsm8k_max_new_tokens=384)
+def test_each_task_gets_its_own_generation_cap_and_size_from_its_table():
+    e = EvalConfig.from_table({"max_new_tokens": 128, "gsm8k": {"max_new_tokens": 384, "size": 0}})
     assert (e.budget("arithmetic_test"), e.budget("gsm8k_test")) == (128, 384)
+    assert (e.size("arithmetic_test"), e.size("gsm8k_test")) == (300, None)  # arithmetic's default; 0 = all
     assert EvalConfig(max_new_tokens=96).budget("gsm8k_test") == 96
+    assert EvalConfig().size("gsm8k_test") == 100  # GSM8K's own default (Task.eval_defaults)
+
+
+def test_the_evaluate_table_round_trips_through_to_dict():
+    pc = PipelineConfig.from_dict({"evaluate": {"engine": "vllm", "vllm": {"port": 8123},
+                                                "gsm8k": {"max_difficulty": 3, "bounded_size": 7}}})
+    again = PipelineConfig.from_dict(pc.to_dict())
+    assert again.to_dict() == pc.to_dict() and again.evaluate.engine == "vllm" and again.evaluate.vllm.port == 8123
+    assert again.eval_set_names() == ["arithmetic_test", "gsm8k_test", "gsm8k_test_le3"]
+    assert again.evaluate.size("gsm8k_test_le3") == 7
 
 
 def test_the_cli_evaluates_any_registered_task_with_its_params(tiny, capsys):

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from grpo_core.config.checks import ConfigError
-from grpo_core.config.pipeline import EvalConfig, PipelineConfig
+from grpo_core.config.evaluation import EvalConfig
+from grpo_core.config.pipeline import PipelineConfig
 from grpo_core.config.stage import GRPOConfig
 from grpo_core.data import tasks
 from grpo_core.data.tasks import gsm8k
@@ -71,7 +72,7 @@ def test_the_stage_trains_on_the_bound_and_the_whole_test_set_stays_unbounded(gs
 
     monkeypatch.setenv("GSM8K_DIR", str(gsm8k_dir))
     cfg = PipelineConfig.from_dict({"curriculum": {"arithmetic_max": 30}, "gsm8k": {"gsm8k_max_steps": 2},
-                                    "evaluate": {"gsm8k_max_steps": 2, "sampled_sets": ["gsm8k_test_le2"]}})
+                                    "evaluate": {"gsm8k": {"max_difficulty": 2}, "sampled_sets": ["gsm8k_test_le2"]}})
     found = dataset_identities(cfg)
     assert found["gsm8k_train"]["params"]["gsm8k_max_steps"] == 2
     assert found["gsm8k_test"]["params"]["gsm8k_max_steps"] == 0
@@ -96,6 +97,7 @@ def test_the_summary_reports_accuracy_by_steps_buckets():
 
 
 def test_bounded_sets_get_their_size_and_the_gsm8k_cap():
-    e = EvalConfig(gsm8k_max_steps=2, gsm8k_bounded_size=300, gsm8k_max_new_tokens=256, max_new_tokens=128)
+    e = EvalConfig.from_table({"max_new_tokens": 128,
+                               "gsm8k": {"max_difficulty": 2, "bounded_size": 300, "max_new_tokens": 256}})
     assert e.size("gsm8k_test_le2") == 300 and e.budget("gsm8k_test_le2") == 256
     assert e.budget("arithmetic_test") == 128

@@ -28,7 +28,7 @@ from tests.fault_helpers import short_stage
     ({"compute": {"nproc_per_nodes": 2}},
      r"unknown field config\.compute\.nproc_per_nodes\. Did you mean 'nproc_per_node'"),
     ({"curriculm": {}}, r"Did you mean 'curriculum'"),
-    ({"evaluate": {"gsm8k_size": -1}},
+    ({"evaluate": {"gsm8k": {"size": -1}}},
      r"register\.primary: 'gsm8k_test' is not evaluated \(the evaluated sets are \['arithmetic_test'\]\)"),
     ({"compute": {"nodes": 0}}, r"compute\.nodes: must be a whole number >= 1 \(1: one node, no gang\), got 0"),
     ({"compute": {"nodes": 1.5}}, r"config\.compute\.nodes = 1\.5 has type float"),

@@ -123,7 +123,7 @@ def test_env_credentials_never_reach_mlflow_metaflow_logs_or_cards(tmp_path):
     cfg = tiny_config(tmp_path, name=control, sft={"steps": 10},
                       curriculum={"iterations": 1, "checkpoint": {"every": 1}, "validation": {"every": 1, "size": 4}},
                       gsm8k={"iterations": 1, "checkpoint": {"every": 1}, "validation": {"size": 4}},
-                      evaluate={"gsm8k_size": 4, "arithmetic_size": 8, "max_new_tokens": 8})
+                      evaluate={"gsm8k": {"size": 4}, "arithmetic": {"size": 8}, "max_new_tokens": 8})
     result = run_flow(tmp_path, cfg, AWS_ACCESS_KEY_ID="FAKEKEYID", **SECRET_ENV)
     assert result.status == "successful", result.stderr[-5000:]
     scan_for_secrets(tmp_path, cfg["tracking_uri"], result.run, result.stdout + result.stderr, control)

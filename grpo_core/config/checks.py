@@ -50,8 +50,9 @@ def from_dict(cls, data: dict, where: str):
         if name not in data:
             continue
         value = data[name]
-        if dataclasses.is_dataclass(hints[name]):
-            value = from_dict(hints[name], value, f"{where}.{name}")
+        if dataclasses.is_dataclass(hints[name]):  # a table; one with tables of its own parses them itself
+            build = getattr(hints[name], "from_table", None)
+            value = build(value, f"{where}.{name}") if build else from_dict(hints[name], value, f"{where}.{name}")
         else:
             _check_type(where, name, value, hints[name])
             if hints[name] is float or (typing.get_origin(hints[name]) in (typing.Union, types.UnionType)

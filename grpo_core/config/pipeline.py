@@ -17,6 +17,7 @@ from grpo_core.config.checks import (
     from_dict,
     require,
 )
+from grpo_core.config.evaluation import EvalConfig
 from grpo_core.config.groups import TINY_ARCHITECTURES, StageRuntime
 from grpo_core.config.stage import GRPOConfig
 from grpo_core.config.stages import GRPO_STAGES
@@ -88,82 +89,6 @@ def check_sft_source(source: str) -> None:
         gguf_source.check_source(source)
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(f"sft.source: {exc}") from exc
-
-
-@dataclass
-class EvalConfig:
-    """Held-out evaluation of every stage's checkpoint: greedy accuracy on each set, and sampled
-    accuracy (mean@k, pass@k; ``grpo_core/evaluation/sampled.py``) on the sets ``sampled_sets`` names."""
-
-    gsm8k_size: int = 100
-    """GSM8K test items of any difficulty (the first N; 0 for all 1,319; -1 skips the set)."""
-    gsm8k_max_steps: int = 0
-    """> 0 adds the set ``gsm8k_test_le<N>``: GSM8K test problems of at most N calculator steps."""
-    gsm8k_bounded_size: int = 300
-    """Items of ``gsm8k_test_le<N>`` (the first N of them; 0 for all)."""
-    arithmetic_size: int = 300
-    """Held-out arithmetic items (the first N of the test split; 0 skips the set)."""
-    max_new_tokens: int = 64
-    """Greedy generation cap of held-out arithmetic, the same for every model (the evaluation
-    reports the share of answers it cut off: keep it under 5%). An answer that repeats itself
-    verbatim (3 copies of a cycle, 64+ tokens) stops there and counts as looped, not cut: no cap
-    would end it. An answer the cap stops while it repeats its own earlier text with only the
-    numbers changing counts as looped too (it needs 136+ tokens to be judged; ``grpo_core/rollout/loops.py``)."""
-    gsm8k_max_new_tokens: int = 0
-    """Generation cap of GSM8K answers (chains of thought run longer); 0 = max_new_tokens."""
-    sampled_sets: list = field(default_factory=list)
-    """Sets that also get sampled accuracy, e.g. ["gsm8k_test_le2"]; each must be evaluated."""
-    sampled_k: int = 2
-    """Samples per item for sampled accuracy (mean@k, pass@k)."""
-    sampled_size: int = 200
-    """Items of each sampled set that are sampled (the first N of the greedy items; 0 for all)."""
-    sampled_temperature: float = 0.0
-    """Sampling temperature of sampled accuracy; 0 takes the sampling temperature of the last GRPO
-    stage that trains on the set's task (what that stage optimised)."""
-    sampled_seed: int = 0
-    """Seed of the sampled evaluation: the same for every model (paired samples)."""
-    batch_size: int = 64
-    """Completions per generate call (rows that finish leave the batch; see ``decode.py``)."""
-
-    def __post_init__(self):
-        require(self.gsm8k_size >= -1, "evaluate.gsm8k_size",
-                 f"must be >= -1 (N items, 0 for all, -1 to skip GSM8K), got {self.gsm8k_size}")
-        meaning = {"arithmetic_size": "N items, 0 to skip held-out arithmetic", "gsm8k_max_steps": "0: no bounded set",
-                   "gsm8k_bounded_size": "N items, 0 for all", "gsm8k_max_new_tokens": "0 = max_new_tokens",
-                   "sampled_size": "N items, 0 for all", "sampled_seed": "any seed"}
-        for name, what in meaning.items():
-            require(getattr(self, name) >= 0, f"evaluate.{name}", f"must be >= 0 ({what}), got {getattr(self, name)}")
-        for name in ("max_new_tokens", "batch_size", "sampled_k"):
-            require(getattr(self, name) >= 1, f"evaluate.{name}", f"must be >= 1, got {getattr(self, name)}")
-        require(math.isfinite(self.sampled_temperature) and self.sampled_temperature >= 0,
-                "evaluate.sampled_temperature", f"must be >= 0 (0: the stage's), got {self.sampled_temperature}")
-        require(all(isinstance(n, str) for n in self.sampled_sets), "evaluate.sampled_sets",
-                f"{self.sampled_sets!r}: give a list of evaluated set names, e.g. [\"gsm8k_test_le2\"]")
-
-    def set_names(self, task_names) -> list[str]:
-        """The sets evaluated for stages training on ``task_names``: each task's test split unless
-        sized away, then ``gsm8k_test_le<N>`` when ``gsm8k_max_steps`` bounds one."""
-        names = [dataset_name(t, "test") for t in dict.fromkeys(task_names)
-                 if self.size(dataset_name(t, "test")) != 0]
-        if self.gsm8k_max_steps and "gsm8k" in task_names:
-            names.append(dataset_name("gsm8k", "test", self.gsm8k_max_steps))
-        return names
-
-    def size(self, set_name: str) -> int | None:
-        """How many items of a set the evaluation reads: N, None for all of them, 0 to skip it. A
-        set without a size field here is evaluated whole."""
-        if set_name == "arithmetic_test":
-            return self.arithmetic_size
-        if set_name == "gsm8k_test":
-            return 0 if self.gsm8k_size < 0 else self.gsm8k_size or None
-        if set_name.startswith("gsm8k_test_le"):
-            return self.gsm8k_bounded_size or None
-        return None
-
-    def budget(self, set_name: str) -> int:
-        """The generation cap of one evaluation set (every model gets the same)."""
-        return (self.gsm8k_max_new_tokens or self.max_new_tokens) if set_name.startswith("gsm8k_") \
-            else self.max_new_tokens
 
 
 @dataclass
@@ -350,7 +275,8 @@ class PipelineConfig:
         return dataclasses.replace(self._stages[name], runtime=StageRuntime(stage=name, **runtime))
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as a file writes it: ``from_dict(to_dict())`` gives it back."""
+        return {**dataclasses.asdict(self), "evaluate": self.evaluate.to_dict()}
 
 
 def parse_config_text(text: str) -> dict:

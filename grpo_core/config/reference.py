@@ -18,8 +18,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+from grpo_core.config.evaluation import EvalConfig, TaskEval
 from grpo_core.config.groups import GROUPS, StageRuntime
-from grpo_core.config.pipeline import ComputeConfig, EvalConfig, PipelineConfig, RegisterConfig, SFTConfig
+from grpo_core.config.pipeline import ComputeConfig, PipelineConfig, RegisterConfig, SFTConfig
 from grpo_core.config.stage import GRPOConfig
 from grpo_core.config.stages import GRPO_STAGES
 
@@ -74,6 +75,15 @@ def table(cls, skip=()) -> str:
     return "\n".join(rows)
 
 
+def task_tables_title() -> str:
+    """``[evaluate.<task>]`` for every task, with the defaults a task sets itself."""
+    from grpo_core.data import tasks
+    own = "; ".join(f"{t.name}: " + ", ".join(f"`{k} = {toml_value(v)}`" for k, v in t.eval_defaults)
+                    for t in tasks.registry().values() if t.eval_defaults)
+    names = " / ".join(f"[evaluate.{name}]" for name in tasks.registry())
+    return f"{names}, one per task (`TaskEval`{'; the defaults a task sets itself: ' + own if own else ''})"
+
+
 def reference() -> str:
     """The whole reference: one table per config table, in the order a TOML file has them."""
     stages = " and ".join(f"[{s.name}]" for s in GRPO_STAGES)
@@ -85,7 +95,8 @@ def reference() -> str:
         ("[sft] (`SFTConfig`)", table(SFTConfig)),
         (f"{stages} (`GRPOConfig`, one per GRPO stage)", table(GRPOConfig, skip=(*GROUPS, "runtime"))),
         *groups,
-        ("[evaluate] (`EvalConfig`)", table(EvalConfig)),
+        ("[evaluate] (`EvalConfig`)", table(EvalConfig, skip=("tasks",))),
+        (task_tables_title(), table(TaskEval)),
         ("[register] (`RegisterConfig`)", table(RegisterConfig)),
     ]
     runtime = ", ".join(f"`{f.name}`" for f in dataclasses.fields(StageRuntime))

@@ -9,6 +9,7 @@ sampled accuracy.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 from pathlib import Path
@@ -56,18 +57,40 @@ def _evaluate(cfg: PipelineConfig, stage: str, model_uri: str, datasets: dict) -
         model.to("cuda")
     system = stage_system_prompt(cfg, stage)
     grade = {name: tasks.split_of(name)[0].grade for name in sets}
-    items = {name: greedy_results(model, tok, rows, max_new_tokens=e.budget(name), batch_size=e.batch_size,
-                                  system_prompt=system, grade=grade[name])
-             for name, rows in sets.items()}
-    sampled = {name: sampled_results(model, tok, sets[name][:e.sampled_size or None], k=e.sampled_k,
-                                     temperature=cfg.sampled_temperature(name), max_new_tokens=e.budget(name),
-                                     seed=e.sampled_seed, batch_size=e.batch_size, system_prompt=system,
-                                     grade=grade[name])
-               for name in e.sampled_sets}
+    common = dict(batch_size=e.batch_size, max_prompt_tokens=e.max_prompt_tokens, system_prompt=system)
+    with evaluation_engine(e, model, tok, sets) as engine:
+        items = {name: greedy_results(model, tok, rows, max_new_tokens=e.budget(name), grade=grade[name],
+                                      engine=engine, **common)
+                 for name, rows in sets.items()}
+        sampled = {name: sampled_results(model, tok, sets[name][:e.sampled_size or None], k=e.sampled_k,
+                                         temperature=cfg.sampled_temperature(name), max_new_tokens=e.budget(name),
+                                         seed=e.sampled_seed, grade=grade[name], engine=engine, **common)
+                   for name in e.sampled_sets}
     return {"stage": stage, "model_uri": model_uri, "items": items, "sampled": sampled, "system_prompt": system,
+            "engine": e.engine,
             "summary": {name: summarize(res) for name, res in items.items()},
             "sampled_summary": {name: {**summarize_sampled(res), "temperature": cfg.sampled_temperature(name)}
                                 for name, res in sampled.items()}}
+
+
+@contextlib.contextmanager
+def evaluation_engine(e, model, tok, sets: dict):
+    """The engine ``evaluate.engine`` names, for one checkpoint's evaluation, closed after it (a
+    vLLM server stops with the block, also when it fails). It decodes in the model's dtype; its
+    longest sequence is the longest prompt read plus the largest cap of the sets evaluated."""
+    import torch
+
+    from grpo_core.rollout import engines
+
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
+    spec = engines.EngineSpec(vllm=e.vllm, precision="bf16" if bf16 else "fp32",
+                              max_model_len=e.max_prompt_tokens + max((e.budget(n) for n in sets), default=1),
+                              seed=e.sampled_seed, log_dir=tempfile.gettempdir())
+    engine = engines.build(e.engine, tok, spec)
+    try:
+        yield engine
+    finally:
+        engine.close()
 
 
 def paired_with_start(results: list[dict]) -> list[dict]:

@@ -19,13 +19,15 @@ The ``vllm`` engine (``grpo_core.rollout.vllm_engine``) samples with a vLLM serv
 so syncing sends it the weights; it also returns the sampled tokens' log-probs
 (``RolloutBatch.sampler_logp``), which the loss uses to correct the rollout/trainer mismatch.
 Adding an engine is one class with these two methods (and ``close``) plus its ``ENGINES`` entry,
-a factory of ``(tok, cfg)``, and its name in the config's ``ROLLOUT_ENGINES`` (the vocabulary a
-config file may use, validated at load; a test holds the two lists equal).
+a factory of ``(tok, spec)`` (``EngineSpec``: what an engine may need beyond the tokenizer, taken
+from a stage's config or from the evaluation's), and its name in the config's ``ROLLOUT_ENGINES``
+(the vocabulary a config file may use, validated at load; a test holds the two lists equal).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 from grpo_core.rollout.batch import RolloutBatch
 
@@ -50,6 +52,32 @@ class Sampling:
     def of(cls, cfg) -> Sampling:
         s = cfg.sampling
         return cls(s.temperature, s.top_p, s.top_k, s.max_new_tokens, s.max_prompt_tokens, s.sampler, cfg.system_prompt)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine may need beyond the tokenizer. In-process engines need none of it; the vllm
+    engine starts its server from it. Built from a stage's config (``of_stage``) or by the
+    evaluation step from ``[evaluate]``."""
+
+    vllm: Any = None
+    """The server's settings (``config.groups.VllmSettings``)."""
+    precision: str = "fp32"
+    """fp32 or bf16: the served weights' dtype."""
+    max_model_len: int = 2048
+    """Longest prompt + completion the engine is asked for."""
+    seed: int = 0
+    log_dir: str = "."
+    """Where an engine's own process writes its log."""
+
+    @classmethod
+    def of_stage(cls, cfg) -> EngineSpec:
+        """A GRPO stage's: its vLLM table, precision and seed; the longest sequence its rollouts
+        or its validation ask for; logs beside its checkpoints."""
+        s = cfg.sampling
+        return cls(cfg.vllm, cfg.execution.precision,
+                   s.max_prompt_tokens + max(s.max_new_tokens, cfg.eval_max_new_tokens()), cfg.seed,
+                   str(Path(cfg.runtime.output_dir)))
 
 
 class RolloutEngine(Protocol):
@@ -83,21 +111,23 @@ class InProcessEngine:
         pass  # nothing held but the policy, which is the trainer's
 
 
-def _vllm(tok, cfg):
+def _vllm(tok, spec: EngineSpec):
     from grpo_core.rollout.vllm_engine import VllmEngine  # stdlib + torch: vLLM itself runs in its own venv
 
-    return VllmEngine(tok, cfg)
+    return VllmEngine(tok, spec)
 
 
 ENGINES = {
-    "auto": lambda tok, cfg: InProcessEngine(tok, "auto"),
-    "decoder": lambda tok, cfg: InProcessEngine(tok, "decoder"),
-    "generate": lambda tok, cfg: InProcessEngine(tok, "generate"),
+    "auto": lambda tok, spec: InProcessEngine(tok, "auto"),
+    "decoder": lambda tok, spec: InProcessEngine(tok, "decoder"),
+    "generate": lambda tok, spec: InProcessEngine(tok, "generate"),
     "vllm": _vllm,
 }
 
 
 def build(name: str, tok, cfg=None) -> RolloutEngine:
-    """The engine a stage's ``rollout_engine`` names (validated against ``ENGINES`` at config load);
-    ``cfg``: the stage's ``GRPOConfig`` (the vllm engine needs it; in-process engines ignore it)."""
-    return ENGINES[name](tok, cfg)
+    """The engine ``name`` names (a stage's ``rollout_engine`` or ``evaluate.engine``, validated
+    against ``ENGINES`` at config load). ``cfg``: a stage's ``GRPOConfig`` or an ``EngineSpec``
+    (the vllm engine needs one; in-process engines ignore it)."""
+    spec = cfg if cfg is None or isinstance(cfg, EngineSpec) else EngineSpec.of_stage(cfg)
+    return ENGINES[name](tok, spec)

@@ -94,11 +94,11 @@ def write_weights(model, directory: Path) -> None:
 class VllmEngine:
     """Samples with a vLLM server (see the module's docstring); ``close`` stops it."""
 
-    def __init__(self, tok, cfg):
-        if cfg is None:
-            raise ValueError("the vllm engine needs the stage config (engines.build(name, tok, cfg))")
-        self.tok, self.cfg, self.settings = tok, cfg, cfg.vllm
-        self.python = vllm_python(cfg.vllm.python)
+    def __init__(self, tok, spec):
+        if spec is None or spec.vllm is None:
+            raise ValueError("the vllm engine needs its settings: engines.build(name, tok, stage_cfg or EngineSpec)")
+        self.tok, self.spec, self.settings = tok, spec, spec.vllm
+        self.python = vllm_python(spec.vllm.python)
         self.server, self.version, self.stop_ids = None, 0, None
         self.work = Path(tempfile.mkdtemp(prefix="grpo-vllm-"))
 
@@ -124,12 +124,11 @@ class VllmEngine:
         self.tok.save_pretrained(tok_dir)
         model.config.save_pretrained(tok_dir)  # vLLM reads a config beside the tokenizer
         device = next(model.parameters()).device
-        s, c = self.settings, self.cfg
-        max_len = s.max_model_len or c.sampling.max_prompt_tokens + max(c.sampling.max_new_tokens,
-                                                                        c.eval_max_new_tokens())
+        s, spec = self.settings, self.spec
+        max_len = s.max_model_len or spec.max_model_len
         args = ["--tokenizer", str(tok_dir), "--served-model-name", SERVED_NAME,
-                "--dtype", "bfloat16" if c.execution.precision == "bf16" else "float32",
-                "--max-model-len", str(max_len), "--seed", str(c.seed),
+                "--dtype", "bfloat16" if spec.precision == "bf16" else "float32",
+                "--max-model-len", str(max_len), "--seed", str(spec.seed),
                 "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
                 "--disable-uvicorn-access-log"]
         args += (["--kv-cache-memory-bytes", str(s.kv_cache_memory_bytes)] if s.kv_cache_memory_bytes
@@ -144,7 +143,7 @@ class VllmEngine:
             args += ["--enforce-eager", "--no-enable-chunked-prefill",
                      "--max-num-batched-tokens", str(max(max_len, 4096))]
         rank = os.environ.get("RANK", "0")
-        log = Path(c.runtime.output_dir) / f"vllm-server-rank{rank}.log"
+        log = Path(spec.log_dir) / f"vllm-server-rank{rank}.log"
         self.server = VllmServer(self.python, str(weights), args + list(s.extra_args), port=s.port,
                                  startup_timeout_s=s.startup_timeout_s, log_path=log, env=env)
         self.server.start()

@@ -4,6 +4,7 @@ Each module in this package defines ``TASK``, a :class:`Task`; the registry find
 listing the package, so adding a task is adding a file. A task gives:
 
     params       the GRPOConfig fields that choose its data (an operand range, a dataset source)
+    eval_defaults  its held-out evaluation's defaults (size, cap), under ``[evaluate.<task>]``
     rows         rows(split, **params) -> [{"id", "prompt", "gold", "think"}]: the prompt is the raw
                  question (the tokenizer's chat template wraps it), gold a plain decimal number
     identity     identity(split, **params) -> {"source", "split", "digest"}: lineage for MLflow
@@ -43,6 +44,8 @@ class Task:
     """Rows come in a systematic order, so an evaluation subset is a seeded sample, not the first N."""
     unreadable_hint: str = ""
     """What to do when the data cannot be read (shown with the error)."""
+    eval_defaults: tuple = ()
+    """The task's ``[evaluate.<task>]`` defaults as (field, value) pairs (``config.evaluation.TaskEval``)."""
     difficulty_param: str | None = None
     """The param that bounds a problem's difficulty (GSM8K's ``gsm8k_max_steps``), or None: a
     dataset ``<task>_<split>_le<N>`` reads the split with it set to N; ``<task>_<split>`` with it

@@ -154,6 +154,6 @@ def _check_jsonl(path: str) -> None:
 
 
 TASK = Task("gsm8k", ("gsm8k_source", "gsm8k_max_steps"), rows, identity, resolve=resolve,
-            difficulty_param="gsm8k_max_steps",
+            difficulty_param="gsm8k_max_steps", eval_defaults=(("size", 100),),
             unreadable_hint="Offline, point GSM8K_DIR at a local copy with train.jsonl/test.jsonl (e.g. "
                             "GSM8K_DIR=../shared/data/gsm8k); online, the hub id openai/gsm8k works as is.")

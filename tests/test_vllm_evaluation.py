@@ -1,0 +1,55 @@
+"""The flow's evaluation step on ``evaluate.engine = "vllm"``: a real vLLM server (from the venv
+infra/vllm-env.sh builds) decodes every set, gives the in-process decoder's greedy answers item for
+item, and is stopped when the evaluation ends."""
+import pytest
+import torch
+
+from grpo_core.config.pipeline import PipelineConfig
+from grpo_core.data import tasks
+from grpo_core.model.loading import build_tiny, save_policy
+from grpo_core.pipeline.evaluation_step import _evaluate
+from grpo_core.rollout import vllm_server
+
+
+def config(engine: str) -> PipelineConfig:
+    return PipelineConfig.from_dict({
+        "evaluate": {"engine": engine, "vllm": {"kv_cache_memory_bytes": 64 << 20}, "max_new_tokens": 10,
+                     "batch_size": 4, "sampled_sets": ["arithmetic_test"], "sampled_k": 2, "sampled_size": 3,
+                     "sampled_temperature": 0.9, "max_prompt_tokens": 128,
+                     "arithmetic": {"size": 8}, "gsm8k": {"size": -1}},
+        "register": {"primary": "arithmetic_test"}})
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A 2-layer Llama (head dim 32: vLLM's CPU attention refuses less), its weights moved off
+    the initialisation so greedy argmaxes are not near-ties."""
+    model, tok = build_tiny("llama", hidden=64, layers=2, heads=2, seed=4)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    out = tmp_path_factory.mktemp("model")
+    save_policy(model, tok, out)
+    return str(out)
+
+
+def test_the_evaluation_on_vllm_gives_the_in_process_greedy_answers_and_stops_its_server(model_dir, monkeypatch):
+    starts = []
+    real_start = vllm_server.VllmServer.start
+    monkeypatch.setattr(vllm_server.VllmServer, "start", lambda self: (starts.append(self), real_start(self))[1])
+    cfg = config("vllm")
+    params = tasks.task("arithmetic").params_of(cfg.stage("curriculum", model="-"))
+    datasets = {"arithmetic_test": {"params": params}}
+    served = _evaluate(cfg, "curriculum", model_dir, datasets)
+    assert len(starts) == 1 and starts[0].proc is None  # one server for the whole evaluation, stopped after it
+    local = _evaluate(config("auto"), "curriculum", model_dir, datasets)
+    assert served["engine"] == "vllm" and local["engine"] == "auto"
+    got, want = served["items"]["arithmetic_test"], local["items"]["arithmetic_test"]
+    assert len(got) == 8 and [r["item_id"] for r in got] == [r["item_id"] for r in want]
+    assert [r["completion"] for r in got] == [r["completion"] for r in want]
+    assert [(r["capped"], r["looped"]) for r in got] == [(r["capped"], r["looped"]) for r in want]
+    sampled = served["sampled"]["arithmetic_test"]
+    assert [r["item_id"] for r in sampled] == [r["item_id"] for r in want[:3]] and all(r["k"] == 2 for r in sampled)
+    again = _evaluate(cfg, "curriculum", model_dir, datasets)["sampled"]["arithmetic_test"]
+    assert again == sampled  # seeded: every model draws from the same stream, on vLLM too
