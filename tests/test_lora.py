@@ -84,7 +84,7 @@ def test_the_merged_model_is_a_plain_hf_dir_with_the_policys_logprobs(tiny, tmp_
         with lora.reference_mode(trainer.policy.lora):
             reference = _logp(trainer.policy.model, batch)
     assert (unmerged - reference).abs().max() > 1e-3  # the adapters did change the policy
-    final = save_policy(lora.merged(trainer.policy.lora), trainer.tok, tmp_path / "final")
+    final = save_policy(lora.merged(trainer.policy.lora), trainer.policy.tok, tmp_path / "final")
     weights = load_file(str(final / "model.safetensors"))
     assert not any("lora_" in k or "base_layer" in k for k in weights)
     assert not (final / "adapter_config.json").exists()
@@ -102,7 +102,7 @@ def test_the_shared_prefix_decoder_samples_from_the_adapted_policy(tiny, tmp_pat
         for n, p in trainer.policy.model.named_parameters():
             if "lora_" in n:
                 p.normal_(0, 0.5)  # adapters large enough to change the greedy tokens
-    model, tok = trainer.policy.model.eval(), trainer.tok
+    model, tok = trainer.policy.model.eval(), trainer.policy.tok
     assert fast_decode_supported(model)
     ids, mask = encode_prompts(tok, ["7 + 7 =", "a longer prompt, 12 * 3 ="], 64)
     kw = dict(temperature=1.0, top_p=1.0, top_k=0, greedy=True)

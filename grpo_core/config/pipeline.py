@@ -80,13 +80,13 @@ def check_sft_source(source: str) -> None:
     """A GGUF ``sft.source`` names a packaged model or an existing ``.gguf`` file. Inside a
     Kubernetes pod the file is not looked for: only the load_sft step (on the launching machine)
     reads it, and the pods train from its converted copy in storage."""
-    from grpo_core.io import gguf as gguf_source
-    if not gguf_source.is_gguf_source(source):
+    from grpo_core.io import gguf
+    if not gguf.is_gguf_source(source):
         return
     if os.environ.get("KUBERNETES_SERVICE_HOST") and source.lower().endswith(".gguf"):
         return
     try:
-        gguf_source.check_source(source)
+        gguf.check_source(source)
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(f"sft.source: {exc}") from exc
 

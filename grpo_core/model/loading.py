@@ -2,7 +2,7 @@
 
 A policy is a Hugging Face causal LM plus its tokenizer. It loads from a hub id, a local
 directory, an ``s3://`` URI (downloaded through ``storage`` first) or a GGUF checkpoint
-(converted once by ``gguf_source``), always with safetensors
+(converted once by ``io.gguf``), always with safetensors
 and ``trust_remote_code`` off unless asked for. Since this machine cannot reach the hub,
 ``build_tiny`` makes a real transformers architecture (Llama or Qwen2) with random weights and
 a character-level tokenizer built with ``tokenizers``: every character is a token, plus four
@@ -149,15 +149,15 @@ def check_policy(name: str, model) -> None:
 def load_policy(name_or_path: str, *, trust_remote_code: bool = False, dtype: str = "float32"):
     """Load ``(model, tokenizer)`` from a hub id, a local dir, an ``s3://`` URI or a GGUF source
     (a ``.gguf`` file or a packaged name such as ``smollm2-135m-instruct``: converted once into
-    ``gguf_source.default_cache_root()``, then loaded as a dir)."""
+    ``gguf.default_cache_root()``, then loaded as a dir)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils.logging import disable_progress_bar
 
     disable_progress_bar()  # a "Loading weights" bar per load (policy, reference, each evaluation) floods step logs
 
-    from grpo_core.io import gguf as gguf_source
-    if gguf_source.is_gguf_source(name_or_path):
-        name_or_path = gguf_source.convert_gguf(name_or_path, gguf_source.default_cache_root())["uri"]
+    from grpo_core.io import gguf
+    if gguf.is_gguf_source(name_or_path):
+        name_or_path = gguf.convert_gguf(name_or_path, gguf.default_cache_root())["uri"]
     src = _local_model_dir(str(name_or_path))
     if Path(src).is_dir():
         _check_local_dir(str(name_or_path), Path(src))

@@ -144,11 +144,11 @@ def load_sft(cfg: PipelineConfig, ctx: RunContext, datasets: dict) -> tuple[str,
     (a ``.gguf`` file or a packaged name) once into ``<storage_root>/models/gguf/<sha256>``,
     recording ``sft_source``/``sft_sha256`` on the load_sft child run; or pass a hub id / dir /
     s3:// through."""
-    from grpo_core.io import gguf as gguf_source
+    from grpo_core.io import gguf
     from grpo_core.tracking.logger import open_tracker
 
-    if gguf_source.is_gguf_source(cfg.sft.source):
-        done = gguf_source.convert_gguf(cfg.sft.source, storage.join(storage_root(cfg), "models"))
+    if gguf.is_gguf_source(cfg.sft.source):
+        done = gguf.convert_gguf(cfg.sft.source, storage.join(storage_root(cfg), "models"))
         record = {"sft_source": done["source"], "sft_sha256": done["sha256"]}
         with open_tracker(ctx.tracking_uri, child_run(ctx, "load_sft")) as t:
             t.log_params({**record, "sft_uri": done["uri"]})
@@ -172,10 +172,10 @@ def load_sft(cfg: PipelineConfig, ctx: RunContext, datasets: dict) -> tuple[str,
 def sft_model_tags(cfg: PipelineConfig, ctx: RunContext) -> dict:
     """Registry tags naming the start model: ``model.source``, and for a GGUF source
     ``model.sha256``, as ``load_sft`` returned and logged them (the params of its child run)."""
-    from grpo_core.io import gguf as gguf_source
+    from grpo_core.io import gguf
     from grpo_core.tracking.runs import mlflow_client, warn
 
-    if not gguf_source.is_gguf_source(cfg.sft.source):
+    if not gguf.is_gguf_source(cfg.sft.source):
         return {"model.source": cfg.sft.source}
     client = mlflow_client(ctx.tracking_uri)
     found = client.search_runs([client.get_run(ctx.parent_run_id).info.experiment_id], max_results=1,

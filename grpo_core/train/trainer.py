@@ -69,11 +69,11 @@ class Trainer:
         self.out = Path(cfg.runtime.output_dir)
         torch.manual_seed(cfg.seed)
         self.policy = Policy(cfg, info)
-        self.tok = self.policy.tok
         self.opt = self.policy.optimizer()
         self.sched = self._schedule()
         self.rewards = resolve_specs([RewardSpec(**r) for r in cfg.rewards])
-        self.engine, self.sampling = engines.build(cfg.sampling.rollout_engine, self.tok, cfg), engines.Sampling.of(cfg)
+        self.engine = engines.build(cfg.sampling.rollout_engine, self.policy.tok, cfg)
+        self.sampling = engines.Sampling.of(cfg)
         self.stream = PromptStream(train_rows(cfg), cfg.seed)
         self.pool = PromptPool(cfg.pool, self.stream) if cfg.pool.enabled else None
         self.eval_rows = eval_rows(cfg, cfg.validation.size) if cfg.reads_validation() else None
@@ -181,7 +181,7 @@ class Trainer:
                 rounds += 1
             n_groups = min(sum(b.num_groups for b in kept), drawn)
             if n_groups:
-                pool = RolloutBatch.concat([b for b in kept if len(b)], self.tok.pad_token_id)
+                pool = RolloutBatch.concat([b for b in kept if len(b)], self.policy.tok.pad_token_id)
                 batch = pool.select_groups(torch.arange(pool.num_groups) < n_groups)
             else:  # nothing informative on this rank: it still runs the update (DDP) but adds nothing
                 batch.loss_rows = torch.zeros(len(batch), dtype=torch.bool)
@@ -315,7 +315,8 @@ class Trainer:
         grader (looping answers stop early, as in the final evaluation)."""
         rows = self.eval_rows[self.info.rank::self.info.world_size]
         with self.policy.forward_only():
-            res = greedy_results(self.policy.model, self.tok, rows, max_new_tokens=self.cfg.eval_max_new_tokens(),
+            res = greedy_results(self.policy.model, self.policy.tok, rows,
+                                 max_new_tokens=self.cfg.eval_max_new_tokens(),
                                  max_prompt_tokens=self.cfg.sampling.max_prompt_tokens,
                                  system_prompt=self.cfg.system_prompt, engine=self.engine,
                                  grade=tasks.task(self.cfg.task).grade)
@@ -337,7 +338,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         start = self.resume()
         if self.info.is_main:
-            example = render_prompts(self.tok, [self.stream.take(0, 1)[0]["prompt"]], c.system_prompt)[0]
+            example = render_prompts(self.policy.tok, [self.stream.take(0, 1)[0]["prompt"]], c.system_prompt)[0]
             self.recorder.log_objective(objective_card(c, self.info.world_size, example))
         # a checkpoint written when the gate fired ends the stage: resuming from it (a crash while
         # saving the final model) must not train on past the gate
@@ -381,7 +382,7 @@ class Trainer:
                    "resumed_from_iteration": resumed_from, "skipped_updates": self.state["skipped_updates"]}
         gathered = self.policy.full_state_dict()  # every rank takes part
         if self.info.is_main:
-            summary["model_uri"] = self.checkpoints.publish_final(self.policy.final_model(), self.tok, self.out,
+            summary["model_uri"] = self.checkpoints.publish_final(self.policy.final_model(), self.policy.tok, self.out,
                                                                   gathered)
             summary.update(self.recorder.close(it))
             storage.atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=1))
