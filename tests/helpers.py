@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,3 +74,14 @@ def fixed_rollout_batch(groups: int = 2, shared_prompts: bool = True):
                          4, [""] * B, [""] * B)
     batch.rewards = torch.tensor(([1., 0, 0, 1, 0.5, 0, 1, 1] + [0, 1, 1, 0.5, 1, 1, 0, 0.25] * groups)[:B])
     return batch
+
+
+def torchrun_smollm2_stage(args: list[str], cache: Path, cwd: Path, timeout_s: float) -> None:
+    """grpo_core.train under torchrun with 2 ranks of one thread, the SmolLM2 conversion read from
+    ``cache``; fails with the output's tail unless it exits 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "grpo_core.train", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "GRPO_MODEL_CACHE": str(cache)}
+    env.pop("GRPO_STORAGE_ROOT", None)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,7 @@ import torch
 
 from grpo_core.rollout import generate as rollout
 from tests.conftest import PACKAGED
-from tests.helpers import REPO, require_gsm8k, same_weights, stage_args
+from tests.helpers import require_gsm8k, same_weights, stage_args, torchrun_smollm2_stage
 
 PROMPTS = ["What is 2 + 3?", "Compute 17 * 4 and explain the steps briefly.", "Hi"]
 TORCHRUN_TIMEOUT_S = 240
@@ -122,12 +119,7 @@ def test_one_grpo_iteration_under_torchrun_trains_the_real_model(smol_cache, tmp
                       loss=dict(beta=0.04), checkpoint=dict(every=1),
                       rewards=[{"fn": "grpo_core.data.rewards:target_char_fraction", "weight": 1.0},
                                {"fn": "grpo_core.data.rewards:gsm8k_correctness", "weight": 1.0}])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "grpo_core.train", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "GRPO_MODEL_CACHE": str(cache)}
-    env.pop("GRPO_STORAGE_ROOT", None)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun_smollm2_stage(args, cache, tmp_path, TORCHRUN_TIMEOUT_S)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1]
     assert math.isfinite(rows[0]["kl"]) and math.isfinite(rows[0]["reward"])

@@ -4,15 +4,12 @@ infra/vllm-env.sh builds) on the weights it synced, and the trainer scoring thos
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 
 from tests.conftest import PACKAGED
-from tests.helpers import REPO, same_weights, stage_args
+from tests.helpers import same_weights, stage_args, torchrun_smollm2_stage
 
 TORCHRUN_TIMEOUT_S = 900  # two vLLM servers load SmolLM2 side by side on 2 cores
 GAP_TOLERANCE = 1e-3
@@ -37,12 +34,7 @@ def test_one_grpo_iteration_on_vllm_under_torchrun_trains_smollm2(smol_cache, tm
                       rewards=[{"fn": "grpo_core.data.rewards:target_char_fraction", "weight": 1.0},
                                {"fn": "grpo_core.data.rewards:gsm8k_correctness", "weight": 1.0}])
     before = vllm_servers()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "grpo_core.train", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "GRPO_MODEL_CACHE": str(cache)}
-    env.pop("GRPO_STORAGE_ROOT", None)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun_smollm2_stage(args, cache, tmp_path, TORCHRUN_TIMEOUT_S)
     assert vllm_servers() <= before, "a rank's vLLM server outlived its stage"
     assert sorted(p.name for p in out.glob("vllm-server-rank*.log")) == ["vllm-server-rank0.log",
                                                                         "vllm-server-rank1.log"]
