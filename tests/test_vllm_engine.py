@@ -233,9 +233,10 @@ def sevens_killing_the_server(prompts, completions, **kw):
 def test_a_stage_on_vllm_survives_its_server_being_killed_by_resuming(tmp_path, monkeypatch):
     """A GRPO stage with rollout_engine = "vllm": its server killed mid-stage is a clear error; the
     rerun resumes from the last checkpoint on a new server and finishes, with vLLM's log-probs
-    agreeing with the trainer's every iteration (a weight sync that failed would show here)."""
+    agreeing with the trainer's every iteration (a weight sync that failed would show here), and
+    with the final weights of the same stage run without interruption."""
     from grpo_core.train.entry import main
-    from tests.helpers import stage_args
+    from tests.helpers import same_weights, stage_args
 
     model, tok = build_tiny("llama", hidden=64, layers=2, heads=2, seed=2)
     save_policy(model, tok, tmp_path / "model")
@@ -261,3 +262,6 @@ def test_a_stage_on_vllm_survives_its_server_being_killed_by_resuming(tmp_path, 
         assert m["rollout_logp_gap_max"] < 1e-3 and abs(m["rollout_is_ratio_mean"] - 1) < 1e-3, m
     card = json.loads(next((tmp_path / "out").rglob("objective*.json")).read_text())
     assert card["rollout_engine"] == "vllm" and card["rollout_correction"].startswith("sequence_mask: ")
+    clean = [a.replace(str(tmp_path / "out"), str(tmp_path / "clean")) for a in args]
+    main(clean)  # the same stage, never interrupted: resume reproduces it bit for bit
+    assert same_weights(tmp_path / "out" / "final", tmp_path / "clean" / "final")
