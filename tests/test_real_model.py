@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from grpo_core.rollout import generate as rollout
-from tests.conftest import PACKAGED
-from tests.helpers import require_gsm8k, same_weights, stage_args, torchrun_smollm2_stage
+from tests.helpers import PACKAGED, require_gsm8k, same_weights, stage_args, torchrun_smollm2_stage
 
 PROMPTS = ["What is 2 + 3?", "Compute 17 * 4 and explain the steps briefly.", "Hi"]
 TORCHRUN_TIMEOUT_S = 240

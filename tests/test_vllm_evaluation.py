@@ -9,6 +9,7 @@ from grpo_core.data import tasks
 from grpo_core.model.loading import build_tiny, save_policy
 from grpo_core.pipeline.evaluation_step import _evaluate
 from grpo_core.rollout import vllm_server
+from grpo_core.rollout.vllm_engine import VllmEngine
 
 
 def config(engine: str) -> PipelineConfig:
@@ -35,14 +36,16 @@ def model_dir(tmp_path_factory):
 
 
 def test_the_evaluation_on_vllm_gives_the_in_process_greedy_answers_and_stops_its_server(model_dir, monkeypatch):
-    starts = []
-    real_start = vllm_server.VllmServer.start
-    monkeypatch.setattr(vllm_server.VllmServer, "start", lambda self: (starts.append(self), real_start(self))[1])
+    starts, syncs = [], []
+    real_start, real_sync = vllm_server.VllmServer.start, VllmEngine.sync_weights
+    monkeypatch.setattr(vllm_server.VllmServer, "start", lambda self: (real_start(self), starts.append(self.proc))[0])
+    monkeypatch.setattr(VllmEngine, "sync_weights", lambda self, model: (syncs.append(1), real_sync(self, model))[1])
     cfg = config("vllm")
     params = tasks.task("arithmetic").params_of(cfg.stage("curriculum", model="-"))
     datasets = {"arithmetic_test": {"params": params}}
     served = _evaluate(cfg, "curriculum", model_dir, datasets)
-    assert len(starts) == 1 and starts[0].proc is None  # one server for the whole evaluation, stopped after it
+    assert len(starts) == 1 and starts[0].poll() is not None  # one server for the whole evaluation, gone after it
+    assert len(syncs) == 1  # the weights went once, for the greedy and the sampled sets
     local = _evaluate(config("auto"), "curriculum", model_dir, datasets)
     assert served["engine"] == "vllm" and local["engine"] == "auto"
     got, want = served["items"]["arithmetic_test"], local["items"]["arithmetic_test"]
@@ -53,3 +56,24 @@ def test_the_evaluation_on_vllm_gives_the_in_process_greedy_answers_and_stops_it
     assert [r["item_id"] for r in sampled] == [r["item_id"] for r in want[:3]] and all(r["k"] == 2 for r in sampled)
     again = _evaluate(cfg, "curriculum", model_dir, datasets)["sampled"]["arithmetic_test"]
     assert again == sampled  # seeded: every model draws from the same stream, on vLLM too
+
+
+def test_an_evaluation_that_fails_stops_its_server(model_dir, monkeypatch):
+    import dataclasses
+
+    from grpo_core.pipeline import evaluation_step
+
+    def grade_fails(text, gold):
+        raise RuntimeError("grader broke")
+
+    starts = []
+    real_start = vllm_server.VllmServer.start
+    monkeypatch.setattr(vllm_server.VllmServer, "start", lambda self: (real_start(self), starts.append(self.proc))[0])
+    task = tasks.task("arithmetic")
+    monkeypatch.setattr(evaluation_step.tasks, "split_of",
+                        lambda name: (dataclasses.replace(task, grade=grade_fails), "test"))
+    cfg = config("vllm")
+    params = task.params_of(cfg.stage("curriculum", model="-"))
+    with pytest.raises(RuntimeError, match="grader broke"):
+        _evaluate(cfg, "curriculum", model_dir, {"arithmetic_test": {"params": params}})
+    assert len(starts) == 1 and starts[0].poll() is not None

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.conftest import PACKAGED
-from tests.helpers import same_weights, stage_args, torchrun_smollm2_stage
+from tests.helpers import PACKAGED, same_weights, stage_args, torchrun_smollm2_stage
 
 TORCHRUN_TIMEOUT_S = 900  # two vLLM servers load SmolLM2 side by side on 2 cores
 GAP_TOLERANCE = 1e-3

@@ -5,9 +5,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
+from pathlib import Path
 from urllib.parse import urlsplit
+
+from grpo_core.io.paths import PROJECT_DIR
 
 
 class ConfigError(ValueError):
@@ -119,3 +123,20 @@ def check_no_credentials(uri: str) -> None:
                          "would be stored in every stage's config and the flow's artifacts; remove them from the "
                          "URI and set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) "
                          "in the environment (a Kubernetes secret in compute.secrets for pods)")
+
+
+VLLM_DEFAULT_VENV = PROJECT_DIR / ".vllm-venv"
+VLLM_BUILD_COMMAND = "infra/vllm-env.sh"
+
+
+def vllm_python(setting: str, where: str = "vllm") -> str:
+    """The python of vLLM's environment that ``<where>.python`` names (a venv directory or its
+    python; empty: the repo's ``.vllm-venv``). A missing one is a ConfigError naming the field and
+    the command that builds it."""
+    path = Path(setting).expanduser() if setting else VLLM_DEFAULT_VENV
+    python = path / "bin" / "python" if path.is_dir() else path
+    if not (python.is_file() and os.access(python, os.X_OK)):
+        raise ConfigError(f"{where}.python = {setting!r}: no vLLM environment at {python}. Build it with "
+                          f"`{VLLM_BUILD_COMMAND} {'' if not setting else path}`".rstrip() + " (from the repo root), "
+                          f"or point {where}.python at a venv (or its python) where `import vllm` works")
+    return str(python)

@@ -9,6 +9,8 @@ A task's table holds the task's own evaluation settings, with the task's default
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
 
@@ -17,7 +19,8 @@ from grpo_core.config.groups import ROLLOUT_ENGINES, VllmSettings
 from grpo_core.data import tasks
 from grpo_core.data.tasks import dataset_name
 
-MOVED = {"gsm8k_size": "[evaluate.gsm8k] size", "arithmetic_size": "[evaluate.arithmetic] size",
+MOVED = {"gsm8k_size": "[evaluate.gsm8k] size",
+         "arithmetic_size": "[evaluate.arithmetic] size (0 there means all of the split; -1 skips it)",
          "gsm8k_max_steps": "[evaluate.gsm8k] max_difficulty", "gsm8k_bounded_size": "[evaluate.gsm8k] bounded_size",
          "gsm8k_max_new_tokens": "[evaluate.gsm8k] max_new_tokens"}
 """``[evaluate]`` fields that now live in a task's table: named in the error a config using them gets."""
@@ -78,9 +81,11 @@ class EvalConfig:
     vllm (a vLLM server of its own environment, set up by ``[evaluate.vllm]``; started for each
     checkpoint's evaluation and stopped after it)."""
     vllm: VllmSettings = field(default_factory=VllmSettings)
-    """The server of ``engine = "vllm"`` (``[evaluate.vllm]``: the fields of a stage's vllm table)."""
-    tasks: dict = field(default_factory=dict, init=False)
-    """Task name -> ``TaskEval``: the ``[evaluate.<task>]`` tables over the tasks' defaults."""
+    """The server of ``engine = "vllm"`` (``[evaluate.vllm]``: the fields of a stage's vllm table;
+    it serves the checkpoint in fp32, as the evaluation loads it)."""
+    tasks: dict = field(default_factory=dict)
+    """Task name -> ``TaskEval`` (or its table): the ``[evaluate.<task>]`` tables; a task without
+    one gets its defaults. A config file writes them as ``[evaluate.<task>]``, not under ``tasks``."""
 
     def __post_init__(self):
         require(self.sampled_size >= 0, "evaluate.sampled_size", f"must be >= 0 (N items, 0 for all), got "
@@ -94,7 +99,9 @@ class EvalConfig:
                 f"{self.sampled_sets!r}: give a list of evaluated set names, e.g. [\"gsm8k_test_le2\"]")
         check_choice(self.engine, ROLLOUT_ENGINES, "evaluate.engine")
         self.vllm.check("evaluate")
-        self.tasks = {name: self._task_eval(name, {}) for name in tasks.registry()}
+        given = dict(self.tasks)
+        names = dict.fromkeys([*tasks.registry(), *given])
+        self.tasks = {name: self._task_eval(name, given.get(name, {})) for name in names}
 
     @classmethod
     def from_table(cls, data: dict, where: str = "evaluate") -> EvalConfig:
@@ -106,20 +113,35 @@ class EvalConfig:
             if old in data:
                 raise ConfigError(f"{where}.{old} moved to the task's table: write it as {new}")
         known = tasks.registry()
-        cfg = from_dict(cls, {k: v for k, v in data.items() if k not in known}, where)
-        cfg.tasks.update({name: cfg._task_eval(name, table, where) for name, table in data.items() if name in known})
-        return cfg
+        require("tasks" not in data, f"{where}.tasks", "write each task's table as [evaluate.<task>], e.g. "
+                "[evaluate.gsm8k] size = 100")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in fields and key not in known:
+                close = difflib.get_close_matches(key, [*known, *fields], n=1)
+                raise ConfigError(f"unknown field {where}.{key}: neither an [evaluate] field nor a task's table "
+                                  f"(tasks: {', '.join(known)})." + (f" Did you mean {close[0]!r}?" if close else ""))
+        per_task = {name: table for name, table in data.items() if name in known}
+        for name, table in per_task.items():
+            require(isinstance(table, dict), f"{where}.{name}", f"must be a table ([evaluate.{name}] with size, "
+                    f"max_new_tokens, ...), got {type(table).__name__}")
+        rest = {k: v for k, v in data.items() if k not in known}
+        return from_dict(cls, {**rest, "tasks": {n: from_dict(TaskEval, {**dict(known[n].eval_defaults), **t},
+                                                                 f"{where}.{n}") for n, t in per_task.items()}},
+                         where)
 
-    def _task_eval(self, name: str, table: dict, where: str = "evaluate") -> TaskEval:
+    def _task_eval(self, name: str, table: TaskEval | dict) -> TaskEval:
+        """A task's table, checked: given, or read over the task's defaults."""
         task = tasks.task(name)
-        te = from_dict(TaskEval, {**dict(task.eval_defaults), **table}, f"{where}.{name}")
-        te.check(f"{where}.{name}", task)
-        return te
+        if not isinstance(table, TaskEval):
+            require(isinstance(table, dict), f"evaluate.{name}", f"must be a table, got {type(table).__name__}")
+            table = from_dict(TaskEval, {**dict(task.eval_defaults), **table}, f"evaluate.{name}")
+        table.check(f"evaluate.{name}", task)
+        return table
 
     def to_dict(self) -> dict:
         """The table as a config file writes it (the task tables under their task's name)."""
-        import dataclasses
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tasks"}
         out["vllm"] = dataclasses.asdict(self.vllm)
         return {**out, **{name: dataclasses.asdict(te) for name, te in self.tasks.items()}}
 

@@ -212,8 +212,9 @@ class ExecutionSettings:
 
 @dataclass
 class VllmSettings:
-    """The vLLM server of ``sampling.rollout_engine = "vllm"`` (a stage's ``[<stage>.vllm]`` table).
-    Its dtype follows execution.precision (fp32: float32, bf16: bfloat16)."""
+    """The vLLM server of ``sampling.rollout_engine = "vllm"`` (a stage's ``[<stage>.vllm]`` table),
+    and of ``[evaluate] engine = "vllm"`` (``[evaluate.vllm]``). A stage's server takes its dtype
+    from execution.precision (fp32: float32, bf16: bfloat16); the evaluation's serves fp32."""
 
     python: str = ""
     """vLLM's environment: a venv directory or its python; empty: the repo's .vllm-venv (built by
@@ -231,7 +232,9 @@ class VllmSettings:
     """Share of the GPU's memory vLLM may take (weights and KV cache) when kv_cache_memory_bytes is 0;
     the trainer holds the rest."""
     max_model_len: int = 0
-    """Longest sequence served; 0: sampling.max_prompt_tokens + the larger generation cap."""
+    """Longest sequence served; 0: the longest prompt plus the largest generation cap asked for
+    (a stage: sampling.max_prompt_tokens and its caps; the evaluation: evaluate.max_prompt_tokens
+    and its sets' caps)."""
     extra_args: list = field(default_factory=list)
     """More `vllm serve` arguments, e.g. ["--max-num-seqs", "64"]."""
 

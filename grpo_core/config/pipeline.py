@@ -16,6 +16,7 @@ from grpo_core.config.checks import (
     check_no_credentials,
     from_dict,
     require,
+    vllm_python,
 )
 from grpo_core.config.evaluation import EvalConfig
 from grpo_core.config.groups import TINY_ARCHITECTURES, StageRuntime
@@ -244,6 +245,8 @@ class PipelineConfig:
                      "tracking_uri", f"{self.tracking_uri!r} is not a tracking server, but compute.backend = "
                      "'kubernetes': training pods cannot reach a file or sqlite store on this machine; set "
                      "tracking_uri to the MLflow server's http(s):// URL (or databricks)")
+        if self.compute.backend == "local":  # on Kubernetes the environment is the image's, not this machine's
+            self._check_vllm_environments()
         evaluated = self.eval_set_names()
         require(self.register.primary in evaluated, "register.primary",
                  f"{self.register.primary!r} is not evaluated (the evaluated sets are {evaluated}); compare on a "
@@ -251,6 +254,15 @@ class PipelineConfig:
         for name in self.evaluate.sampled_sets:
             require(name in evaluated, "evaluate.sampled_sets", f"{name!r} is not evaluated (the evaluated sets are "
                     f"{evaluated}); name one of them")
+
+    def _check_vllm_environments(self) -> None:
+        """Every vLLM environment the run will start a server from exists, before anything runs:
+        a stage's with ``rollout_engine = "vllm"``, the evaluation's with ``engine = "vllm"``."""
+        for name, cfg in self._stages.items():
+            if cfg.sampling.rollout_engine == "vllm":
+                vllm_python(cfg.vllm.python, f"{name}.vllm")
+        if self.evaluate.engine == "vllm":
+            vllm_python(self.evaluate.vllm.python, "evaluate.vllm")
 
     def eval_set_names(self) -> list[str]:
         """The held-out sets every checkpoint is evaluated on (``EvalConfig.set_names``)."""

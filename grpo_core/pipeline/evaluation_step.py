@@ -58,7 +58,7 @@ def _evaluate(cfg: PipelineConfig, stage: str, model_uri: str, datasets: dict) -
     system = stage_system_prompt(cfg, stage)
     grade = {name: tasks.split_of(name)[0].grade for name in sets}
     common = dict(batch_size=e.batch_size, max_prompt_tokens=e.max_prompt_tokens, system_prompt=system)
-    with evaluation_engine(e, model, tok, sets) as engine:
+    with evaluation_engine(e, stage, model, tok, sets) as engine:
         items = {name: greedy_results(model, tok, rows, max_new_tokens=e.budget(name), grade=grade[name],
                                       engine=engine, **common)
                  for name, rows in sets.items()}
@@ -74,10 +74,12 @@ def _evaluate(cfg: PipelineConfig, stage: str, model_uri: str, datasets: dict) -
 
 
 @contextlib.contextmanager
-def evaluation_engine(e, model, tok, sets: dict):
+def evaluation_engine(e, stage: str, model, tok, sets: dict):
     """The engine ``evaluate.engine`` names, for one checkpoint's evaluation, closed after it (a
-    vLLM server stops with the block, also when it fails). It decodes in the model's dtype; its
-    longest sequence is the longest prompt read plus the largest cap of the sets evaluated."""
+    vLLM server stops with the block, also when it fails). It takes the weights once: every set
+    of one checkpoint is decoded from the same weights. It decodes in the model's dtype (fp32 as
+    the evaluation loads it); its longest sequence is the longest prompt read plus the largest cap
+    of the sets evaluated; a server's log goes to a new directory per evaluation."""
     import torch
 
     from grpo_core.rollout import engines
@@ -85,12 +87,33 @@ def evaluation_engine(e, model, tok, sets: dict):
     bf16 = next(model.parameters()).dtype == torch.bfloat16
     spec = engines.EngineSpec(vllm=e.vllm, precision="bf16" if bf16 else "fp32",
                               max_model_len=e.max_prompt_tokens + max((e.budget(n) for n in sets), default=1),
-                              seed=e.sampled_seed, log_dir=tempfile.gettempdir())
-    engine = engines.build(e.engine, tok, spec)
+                              seed=e.sampled_seed, log_dir=tempfile.mkdtemp(prefix=f"grpo-evaluate-{stage}-"),
+                              where="evaluate.vllm")
+    engine = SyncedOnce(engines.build(e.engine, tok, spec))
     try:
         yield engine
     finally:
         engine.close()
+
+
+class SyncedOnce:
+    """An engine that takes the weights at its first ``sync_weights`` only: within one
+    checkpoint's evaluation they do not change, and a vLLM engine would write and reload them
+    for every set."""
+
+    def __init__(self, engine):
+        self.engine, self.synced = engine, False
+
+    def sync_weights(self, model) -> None:
+        if not self.synced:
+            self.engine.sync_weights(model)
+            self.synced = True
+
+    def generate(self, rows, group_size, sampling):
+        return self.engine.generate(rows, group_size, sampling)
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 def paired_with_start(results: list[dict]) -> list[dict]:

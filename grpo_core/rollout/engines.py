@@ -69,6 +69,8 @@ class EngineSpec:
     seed: int = 0
     log_dir: str = "."
     """Where an engine's own process writes its log."""
+    where: str = "vllm"
+    """The config table ``vllm`` came from, named in its errors (``gsm8k.vllm``, ``evaluate.vllm``)."""
 
     @classmethod
     def of_stage(cls, cfg) -> EngineSpec:
@@ -77,7 +79,7 @@ class EngineSpec:
         s = cfg.sampling
         return cls(cfg.vllm, cfg.execution.precision,
                    s.max_prompt_tokens + max(s.max_new_tokens, cfg.eval_max_new_tokens()), cfg.seed,
-                   str(Path(cfg.runtime.output_dir)))
+                   str(Path(cfg.runtime.output_dir)), f"{cfg.runtime.stage}.vllm" if cfg.runtime.stage else "vllm")
 
 
 class RolloutEngine(Protocol):
@@ -125,9 +127,10 @@ ENGINES = {
 }
 
 
-def build(name: str, tok, cfg=None) -> RolloutEngine:
+def build(name: str, tok, config_or_spec=None) -> RolloutEngine:
     """The engine ``name`` names (a stage's ``rollout_engine`` or ``evaluate.engine``, validated
-    against ``ENGINES`` at config load). ``cfg``: a stage's ``GRPOConfig`` or an ``EngineSpec``
-    (the vllm engine needs one; in-process engines ignore it)."""
-    spec = cfg if cfg is None or isinstance(cfg, EngineSpec) else EngineSpec.of_stage(cfg)
+    against ``ENGINES`` at config load), from a stage's ``GRPOConfig`` or an ``EngineSpec`` (the
+    vllm engine needs one; in-process engines ignore it)."""
+    c = config_or_spec
+    spec = c if c is None or isinstance(c, EngineSpec) else EngineSpec.of_stage(c)
     return ENGINES[name](tok, spec)

@@ -26,27 +26,11 @@ from pathlib import Path
 
 import torch
 
-from grpo_core.config.checks import ConfigError
-from grpo_core.io.paths import PROJECT_DIR
+from grpo_core.config.checks import vllm_python
 from grpo_core.rollout.batch import RolloutBatch
 from grpo_core.rollout.vllm_server import VllmServer, VllmServerError
 
-DEFAULT_VENV = PROJECT_DIR / ".vllm-venv"
-BUILD_COMMAND = "infra/vllm-env.sh"
 SERVED_NAME = "policy"
-
-
-def vllm_python(setting: str) -> str:
-    """The python of vLLM's environment that ``vllm.python`` names (a venv directory or its python;
-    empty: the repo's ``.vllm-venv``). A missing one is a ConfigError naming the field and the
-    command that builds it."""
-    path = Path(setting).expanduser() if setting else DEFAULT_VENV
-    python = path / "bin" / "python" if path.is_dir() else path
-    if not (python.is_file() and os.access(python, os.X_OK)):
-        raise ConfigError(f"vllm.python = {setting!r}: no vLLM environment at {python}. Build it with "
-                          f"`{BUILD_COMMAND} {'' if not setting else path}`".rstrip() + " (from the repo root), "
-                          "or point vllm.python at a venv (or its python) where `import vllm` works")
-    return str(python)
 
 
 def served_state_dict(model) -> dict[str, torch.Tensor]:
@@ -98,7 +82,7 @@ class VllmEngine:
         if spec is None or spec.vllm is None:
             raise ValueError("the vllm engine needs its settings: engines.build(name, tok, stage_cfg or EngineSpec)")
         self.tok, self.spec, self.settings = tok, spec, spec.vllm
-        self.python = vllm_python(spec.vllm.python)
+        self.python = vllm_python(spec.vllm.python, spec.where)
         self.server, self.version, self.stop_ids = None, 0, None
         self.work = Path(tempfile.mkdtemp(prefix="grpo-vllm-"))
 
