@@ -107,7 +107,7 @@ def main(argv=None) -> dict:
            "tokens": sum(len(ids) for ids, _ in examples),
            "loss_first_eighth": sum(losses[:k]) / k, "loss_last_eighth": sum(losses[-k:]) / k,
            "train_seconds": round(seconds, 1),
-           "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)}
+           "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 2)}
     print(json.dumps(res), flush=True)
     if a.json:
         with open(a.json, "w") as f:
