@@ -218,3 +218,19 @@ def test_decode_benchmark_writes_tokens_per_second_for_every_shape_and_lever_sta
     assert all(0 < r["tokens"] <= r["rows"] * r["cap"] for r in report["runs"] if r["mode"] != "step")
     written = tmp_path / "smoke.json"
     assert json.loads(written.read_text())["summary"] == report["summary"] and written.stat().st_size < 20_000
+
+
+def test_eval_split_benchmark_times_both_ways_and_checks_their_answers(tmp_path):
+    """bench_eval_split at a tiny size: one process and the 2-worker split, timed in turn, with the
+    share of greedy answers that agree (a tiny model decodes the same either way)."""
+    import bench_eval_split
+
+    if not os.environ.get("GSM8K_DIR"):
+        pytest.fail("bench_eval_split reads GSM8K problems: set GSM8K_DIR to a local copy of openai/gsm8k")
+    report = bench_eval_split.main(["--model", "tiny", "--size", "5", "--sampled-size", "3", "--cap", "5",
+                                    "--repeats", "1", "--out-dir", str(tmp_path), "--name", "smoke"])
+    assert report["summary"]["split"]["workers"] == 2 and report["summary"]["one_process"]["workers"] == 1
+    assert all(r["one_process"] > 0 and r["split"] > 0 for r in report["rounds"])
+    assert report["split_over_one_median"] > 0
+    assert report["same_greedy_answers"] == 1.0
+    assert json.loads((tmp_path / "smoke.json").read_text())["rounds"] == report["rounds"]

@@ -61,8 +61,6 @@ def test_the_evaluation_on_vllm_gives_the_in_process_greedy_answers_and_stops_it
 def test_an_evaluation_that_fails_stops_its_server(model_dir, monkeypatch):
     import dataclasses
 
-    from grpo_core.pipeline import evaluation_step
-
     def grade_fails(text, gold):
         raise RuntimeError("grader broke")
 
@@ -70,7 +68,7 @@ def test_an_evaluation_that_fails_stops_its_server(model_dir, monkeypatch):
     real_start = vllm_server.VllmServer.start
     monkeypatch.setattr(vllm_server.VllmServer, "start", lambda self: (real_start(self), starts.append(self.proc))[0])
     task = tasks.task("arithmetic")
-    monkeypatch.setattr(evaluation_step.tasks, "split_of",
+    monkeypatch.setattr(tasks, "split_of",
                         lambda name: (dataclasses.replace(task, grade=grade_fails), "test"))
     cfg = config("vllm")
     params = task.params_of(cfg.stage("curriculum", model="-"))

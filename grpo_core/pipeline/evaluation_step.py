@@ -9,14 +9,12 @@ sampled accuracy.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import tempfile
 from pathlib import Path
 
 from grpo_core.config import stages
 from grpo_core.config.pipeline import PipelineConfig
-from grpo_core.data import tasks
 from grpo_core.pipeline.steps import RunContext, child_run, stage_system_prompt
 
 EVAL_LOCK = Path(tempfile.gettempdir()) / "grpo-evaluate.lock"  # local evaluations take turns on it
@@ -42,78 +40,28 @@ def evaluate_checkpoint(cfg: PipelineConfig, stage: str, model_uri: str, dataset
 
 
 def _evaluate(cfg: PipelineConfig, stage: str, model_uri: str, datasets: dict) -> dict:
-    import torch
+    """One checkpoint's results and summaries; split over ``evaluate.workers`` local processes on
+    the local backend (``grpo_core/evaluation/job.py``)."""
+    from grpo_core.evaluation import job as eval_job
+    from grpo_core.evaluation.greedy import eval_sets, summarize
+    from grpo_core.evaluation.sampled import summarize_sampled
 
-    from grpo_core.evaluation.greedy import eval_sets, greedy_results, summarize
-    from grpo_core.evaluation.sampled import sampled_results, summarize_sampled
-    from grpo_core.model.loading import load_policy
-
-    torch.manual_seed(0)
     e = cfg.evaluate
     sets = eval_sets(e, {name: datasets[name]["params"] for name in cfg.eval_set_names()})
-    trust = any(getattr(cfg, s.name).get("trust_remote_code", False) for s in stages.GRPO_STAGES)
-    model, tok = load_policy(model_uri, trust_remote_code=trust)
-    if torch.cuda.is_available():
-        model.to("cuda")
-    system = stage_system_prompt(cfg, stage)
-    grade = {name: tasks.split_of(name)[0].grade for name in sets}
-    common = dict(batch_size=e.batch_size, max_prompt_tokens=e.max_prompt_tokens, system_prompt=system)
-    with evaluation_engine(e, stage, model, tok, sets) as engine:
-        items = {name: greedy_results(model, tok, rows, max_new_tokens=e.budget(name), grade=grade[name],
-                                      engine=engine, **common)
-                 for name, rows in sets.items()}
-        sampled = {name: sampled_results(model, tok, sets[name][:e.sampled_size or None], k=e.sampled_k,
-                                         temperature=cfg.sampled_temperature(name), max_new_tokens=e.budget(name),
-                                         seed=e.sampled_seed, grade=grade[name], engine=engine, **common)
-                   for name in e.sampled_sets}
-    return {"stage": stage, "model_uri": model_uri, "items": items, "sampled": sampled, "system_prompt": system,
-            "engine": e.engine,
+    job = eval_job.EvalJob(
+        model_uri=model_uri, evaluate=e, sets=sets,
+        sampled={name: sets[name][:e.sampled_size or None] for name in e.sampled_sets},
+        temperatures={name: cfg.sampled_temperature(name) for name in e.sampled_sets},
+        system_prompt=stage_system_prompt(cfg, stage), label=stage,
+        trust_remote_code=any(getattr(cfg, s.name).get("trust_remote_code", False) for s in stages.GRPO_STAGES))
+    workers = e.workers if cfg.compute.backend == "local" else 1
+    out = eval_job.run_split(job, workers) if workers > 1 else eval_job.run(job)
+    items, sampled = out["items"], out["sampled"]
+    return {"stage": stage, "model_uri": model_uri, "items": items, "sampled": sampled,
+            "system_prompt": job.system_prompt, "engine": e.engine, "workers": workers,
             "summary": {name: summarize(res) for name, res in items.items()},
-            "sampled_summary": {name: {**summarize_sampled(res), "temperature": cfg.sampled_temperature(name)}
+            "sampled_summary": {name: {**summarize_sampled(res), "temperature": job.temperatures[name]}
                                 for name, res in sampled.items()}}
-
-
-@contextlib.contextmanager
-def evaluation_engine(e, stage: str, model, tok, sets: dict):
-    """The engine ``evaluate.engine`` names, for one checkpoint's evaluation, closed after it (a
-    vLLM server stops with the block, also when it fails). It takes the weights once: every set
-    of one checkpoint is decoded from the same weights. It decodes in the model's dtype (fp32 as
-    the evaluation loads it); its longest sequence is the longest prompt read plus the largest cap
-    of the sets evaluated; a server's log goes to a new directory per evaluation."""
-    import torch
-
-    from grpo_core.rollout import engines
-
-    bf16 = next(model.parameters()).dtype == torch.bfloat16
-    spec = engines.EngineSpec(vllm=e.vllm, precision="bf16" if bf16 else "fp32",
-                              max_model_len=e.max_prompt_tokens + max((e.budget(n) for n in sets), default=1),
-                              seed=e.sampled_seed, log_dir=tempfile.mkdtemp(prefix=f"grpo-evaluate-{stage}-"),
-                              where="evaluate.vllm")
-    engine = SyncedOnce(engines.build(e.engine, tok, spec))
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
-class SyncedOnce:
-    """An engine that takes the weights at its first ``sync_weights`` only: within one
-    checkpoint's evaluation they do not change, and a vLLM engine would write and reload them
-    for every set."""
-
-    def __init__(self, engine):
-        self.engine, self.synced = engine, False
-
-    def sync_weights(self, model) -> None:
-        if not self.synced:
-            self.engine.sync_weights(model)
-            self.synced = True
-
-    def generate(self, rows, group_size, sampling):
-        return self.engine.generate(rows, group_size, sampling)
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 def paired_with_start(results: list[dict]) -> list[dict]:

@@ -1,0 +1,91 @@
+"""One checkpoint's evaluation split over local worker processes (``grpo_core/evaluation/job.py``):
+the parts come back in item order, each worker's answers are what its share gives in this process,
+a failing worker fails the evaluation by name, and the config refuses what cannot be split."""
+import random
+
+import pytest
+import torch
+
+from grpo_core.config.checks import ConfigError
+from grpo_core.config.pipeline import PipelineConfig
+from grpo_core.data import tasks
+from grpo_core.evaluation import job as eval_job
+from grpo_core.evaluation.greedy import held_out_items
+from grpo_core.model.loading import build_tiny, save_policy
+from grpo_core.pipeline.evaluation_step import _evaluate
+
+
+def config(workers: int, **evaluate) -> PipelineConfig:
+    return PipelineConfig.from_dict({
+        "evaluate": {"workers": workers, "max_new_tokens": 12, "batch_size": 4, "sampled_sets": ["arithmetic_test"],
+                     "sampled_k": 3, "sampled_size": 5, "sampled_temperature": 1.0, "max_prompt_tokens": 128,
+                     "arithmetic": {"size": 11}, "gsm8k": {"size": -1}, **evaluate},
+        "register": {"primary": "arithmetic_test"}})
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A 2-layer Llama moved off its initialisation (no near-tie argmaxes)."""
+    model, tok = build_tiny("llama", hidden=64, layers=2, heads=2, seed=5)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    out = tmp_path_factory.mktemp("model")
+    save_policy(model, tok, out)
+    return str(out)
+
+
+def datasets(cfg: PipelineConfig) -> dict:
+    return {"arithmetic_test": {"params": tasks.task("arithmetic").params_of(cfg.stage("curriculum", model="-"))}}
+
+
+@pytest.mark.parametrize("n, parts", [(11, 2), (11, 3), (2, 3), (0, 2), (7, 1)])
+def test_interleave_undoes_the_strided_split(n, parts):
+    rows = [random.Random(n).random() for _ in range(n)]
+    assert eval_job.interleave([rows[i::parts] for i in range(parts)], n) == rows
+
+
+def test_interleave_refuses_parts_that_do_not_make_the_set():
+    with pytest.raises(ValueError, match="the parts hold 3 items, the set 4"):
+        eval_job.interleave([[1, 2], [3]], 4)
+
+
+def test_two_workers_give_each_shards_in_process_answers_in_item_order(model_dir):
+    cfg = config(2)
+    split = _evaluate(cfg, "curriculum", model_dir, datasets(cfg))
+    assert split["workers"] == 2
+    got = split["items"]["arithmetic_test"]
+    rows = held_out_items(tasks.task("arithmetic"), datasets(cfg)["arithmetic_test"]["params"], 11)
+    assert [r["item_id"] for r in got] == [r["id"] for r in rows]
+    assert [r["item_id"] for r in split["sampled"]["arithmetic_test"]] == [r["id"] for r in rows[:5]]
+    # the same shares decoded here, one thread as each worker had: the same answers and samples
+    job = eval_job.EvalJob(model_uri=model_dir, evaluate=cfg.evaluate, sets={"arithmetic_test": rows},
+                           sampled={"arithmetic_test": rows[:5]}, temperatures={"arithmetic_test": 1.0},
+                           label="curriculum")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        here = eval_job.merge(job, [eval_job.run(job, i, 2) for i in range(2)])
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["completion"] for r in got] == [r["completion"] for r in here["items"]["arithmetic_test"]]
+    assert split["sampled"]["arithmetic_test"] == here["sampled"]["arithmetic_test"]
+    # worker 1 drew its own stream (seed + 1): its samples are not worker 0's stream replayed
+    one = _evaluate(config(1), "curriculum", model_dir, datasets(cfg))
+    assert one["workers"] == 1 and [r["item_id"] for r in one["items"]["arithmetic_test"]] == [r["id"] for r in rows]
+    assert [r["completion"] for r in one["items"]["arithmetic_test"]] == [r["completion"] for r in got]
+    assert split["summary"]["arithmetic_test"]["n"] == 11 and split["sampled_summary"]["arithmetic_test"]["k"] == 3
+
+
+def test_a_failing_worker_fails_the_evaluation_and_names_itself(tmp_path):
+    cfg = config(2)
+    with pytest.raises(RuntimeError, match=r"worker [01] of 2 exited with \d+"):
+        _evaluate(cfg, "curriculum", str(tmp_path / "no-such-model"), datasets(cfg))
+
+
+def test_the_config_refuses_a_split_it_cannot_run():
+    with pytest.raises(ConfigError, match="evaluate.workers: must be an integer >= 1"):
+        config(0)
+    with pytest.raises(ConfigError, match="evaluate.workers: .*set workers = 1"):
+        config(2, engine="vllm")
