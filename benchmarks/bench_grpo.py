@@ -17,9 +17,9 @@ length; and ours/TRL ratios: the median (and quartiles) of the per-iteration rat
 medians, and the median of the per-run ratios. Results go to ``benchmarks/results/<name>.json``.
 
 Both sides: a model directory (TRL reloads its reference model from that path), the arithmetic
-prompts rendered by the model's chat template, the same reward, beta 0.04 (k3 KL, reference
-forward), dapo loss, group-std advantages (eps 1e-4), clip 0.2, one update per rollout batch,
-AdamW constant lr, grad-norm clip 1.0, temperature 1.0, top_k 0, top_p 1.0, stop at EOS or
+prompts (GSM8K's for ``smollm2_gsm8k``) rendered by the model's chat template, the same reward,
+beta 0.04 (k3 KL, reference forward), dapo loss, group-std advantages (eps 1e-4), clip 0.2, one
+update per rollout batch, AdamW constant lr, grad-norm clip 1.0, temperature 1.0, top_k 0, top_p 1.0, stop at EOS or
 max_new_tokens, fp32. Toy configs: a random-init Llama + character tokenizer, reward
 ``grpo_core.data.rewards.target_char_fraction``, lr 1e-4. The smollm2 configs: the real
 SmolLM2-135M-Instruct, reward ``gsm8k_correctness``, lr 1e-5 (``SMOLLM2``).
@@ -64,7 +64,13 @@ CONFIGS.update({
     "smollm2": dict(SMOLLM2, group_size=8, prompts=8, max_new_tokens=48),
     "smollm2_t128": dict(SMOLLM2, group_size=8, prompts=8, max_new_tokens=128, trl_micro_batch=8),
     "smollm2_g16": dict(SMOLLM2, group_size=16, prompts=8, max_new_tokens=48, trl_micro_batch=16),
+    # The default run's GSM8K stage shape (issue #34): GSM8K train problems of <= 2 calculator steps,
+    # 8 prompts x G=16, 256 new tokens, both sides backward one group at a time.
+    "smollm2_gsm8k": dict(SMOLLM2, task="gsm8k", task_params={"gsm8k_source": "openai/gsm8k", "gsm8k_max_steps": 2},
+                          group_size=16, prompts=8, max_new_tokens=256, trl_micro_batch=16),
 })
+# A config's prompts: ``task`` (default arithmetic) read with ``task_params``, on both sides in the
+# order our trainer draws them (``trl_runner._dataset``).
 COMMON = dict(beta=0.04, lr=1e-4, temperature=1.0, top_k=0, top_p=1.0, clip=0.2, max_grad_norm=1.0,
               loss_type="dapo", seed=0)
 
@@ -189,7 +195,8 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
     reward_fn = settings.pop("reward_fn", reward_of(spec))
     common = common_of(spec)
     cfg = GRPOConfig(**deep_merge(dict(
-        task="arithmetic", rewards=[{"fn": reward_fn, "weight": 1.0}], prompts_per_iter=spec["prompts"],
+        task=spec.get("task", "arithmetic"), **spec.get("task_params", {}),
+        rewards=[{"fn": reward_fn, "weight": 1.0}], prompts_per_iter=spec["prompts"],
         iterations=iters + warmup, seed=common["seed"], runtime=dict(model=model_dir, output_dir=out_dir),
         sampling=dict(group_size=spec["group_size"], max_new_tokens=spec["max_new_tokens"],
                       temperature=common["temperature"], top_k=common["top_k"], top_p=common["top_p"]),

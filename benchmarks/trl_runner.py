@@ -34,20 +34,21 @@ def _timed(obj, name: str, acc: dict, key: str, only_no_grad: bool = False):
     setattr(obj, name, wrapper)
 
 
-def _dataset(model_dir: str, n: int, seed: int):
-    """The first ``n`` arithmetic training prompts in the order our trainer draws them
+def _dataset(model_dir: str, n: int, seed: int, task: str = "arithmetic", task_params: dict | None = None):
+    """The first ``n`` training prompts of ``task`` (read with ``task_params``) in the order our trainer draws them
     (``PromptStream(rows, seed)``: the same prompts, iteration by iteration, when TRL reads them
     unshuffled), rendered with the same chat template as our rollouts, and their gold answers
     (TRL hands every dataset column to the reward function, as our trainer hands it ``gold``)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
+    from grpo_core.data import tasks
     from grpo_core.data.prompts import PromptStream
-    from grpo_core.data.tasks import arithmetic
     from grpo_core.rollout.generate import render_prompts
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    rows = PromptStream(arithmetic.rows("train"), seed).take(0, n)
+    t = tasks.task(task)
+    rows = PromptStream(t.rows("train", **t.resolve(dict(task_params or {}))), seed).take(0, n)
     prompts = render_prompts(tok, [r["prompt"] for r in rows])
     return Dataset.from_dict({"prompt": prompts, "gold": [r["gold"] for r in rows]}), tok
 
@@ -104,7 +105,8 @@ def run_trl(spec: dict, common: dict, reward_fn: str, model_dir: str, iters: int
     from grpo_core.model.loading import prepare_tokenizer
 
     steps = iters + warmup
-    dataset, tok = _dataset(model_dir, spec["prompts"] * (steps + 2), common["seed"])
+    dataset, tok = _dataset(model_dir, spec["prompts"] * (steps + 2), common["seed"], spec.get("task", "arithmetic"),
+                            spec.get("task_params"))
     args = _trl_config(GRPOConfig, spec, common, steps, torch_compile)
     reward = load_reward_fn(reward_fn)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset,

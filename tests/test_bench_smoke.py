@@ -103,6 +103,28 @@ def test_trl_side_runs_the_same_config(tmp_path):
     assert [r["prompts"] for r in micro] == [r["prompts"] for r in ours]
 
 
+def test_the_gsm8k_shaped_config_gives_both_sides_the_same_easy_gsm8k_prompts(tmp_path):
+    """A config's ``task`` and ``task_params`` (``smollm2_gsm8k``'s: GSM8K problems of <= 2 steps)
+    reach both sides: the same prompts step by step, and they are those problems."""
+    if not os.environ.get("GSM8K_DIR"):
+        pytest.fail("the GSM8K-shaped config reads GSM8K: set GSM8K_DIR to a local copy of openai/gsm8k")
+    from trl_runner import _dataset, run_trl
+
+    from grpo_core.data.tasks import gsm8k
+
+    shape = bench_grpo.CONFIGS["smollm2_gsm8k"]
+    assert (shape["task"], shape["prompts"], shape["group_size"], shape["max_new_tokens"]) == ("gsm8k", 8, 16, 256)
+    spec = dict(bench_grpo.CONFIGS["quick"], task="gsm8k", task_params=shape["task_params"],
+                ours={"sampling": {"max_prompt_tokens": 4096}})
+    model_dir = str(bench_grpo.build_model_dir(spec, tmp_path / "m"))
+    ours = bench_grpo.run_ours(spec, model_dir, iters=1, warmup=0)
+    trl = run_trl(spec, bench_grpo.COMMON, bench_grpo.REWARD_FN, model_dir, iters=1, warmup=0)
+    assert [r["prompts"] for r in trl] == [r["prompts"] for r in ours]
+    data, _ = _dataset(model_dir, 4, bench_grpo.COMMON["seed"], "gsm8k", shape["task_params"])
+    easy = {r["prompt"]: r["think"].count("<<") for r in gsm8k.rows("train", gsm8k.resolve_source("openai/gsm8k"))}
+    assert all(any(q in p and easy[q] <= 2 for q in easy) for p in data["prompt"])
+
+
 def test_gpu_check_code_paths_on_cpu(tmp_path):
     gpu_check.FAILURES.clear()
     out = tmp_path / "g.json"
