@@ -92,7 +92,7 @@ def main(argv=None) -> dict:
             answers.setdefault(way, [x["completion"] for x in out["items"][SET]])
         rounds.append(got)
         print(json.dumps({"round": r, **{k: round(v, 1) for k, v in got.items()}}), flush=True)
-    same = sum(x == y for x, y in zip(answers["one_process"], answers["split"])) / max(1, a.size)
+    same = sum(x == y for x, y in zip(answers["one_process"], answers["split"])) / max(1, len(answers["split"]))
     summary = {way: {"s_q1_med_q3": quartiles([x[way] for x in rounds]), "workers": w, "threads": t}
                for way, (w, t) in ways.items()}
     ratio = statistics.median(x["split"] / x["one_process"] for x in rounds)

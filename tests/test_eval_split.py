@@ -71,7 +71,6 @@ def test_two_workers_give_each_shards_in_process_answers_in_item_order(model_dir
         torch.set_num_threads(threads)
     assert [r["completion"] for r in got] == [r["completion"] for r in here["items"]["arithmetic_test"]]
     assert split["sampled"]["arithmetic_test"] == here["sampled"]["arithmetic_test"]
-    # worker 1 drew its own stream (seed + 1): its samples are not worker 0's stream replayed
     one = _evaluate(config(1), "curriculum", model_dir, datasets(cfg))
     assert one["workers"] == 1 and [r["item_id"] for r in one["items"]["arithmetic_test"]] == [r["id"] for r in rows]
     assert [r["completion"] for r in one["items"]["arithmetic_test"]] == [r["completion"] for r in got]
@@ -82,6 +81,70 @@ def test_a_failing_worker_fails_the_evaluation_and_names_itself(tmp_path):
     cfg = config(2)
     with pytest.raises(RuntimeError, match=r"worker [01] of 2 exited with \d+"):
         _evaluate(cfg, "curriculum", str(tmp_path / "no-such-model"), datasets(cfg))
+
+
+def slow_job(model_dir: str, cfg: PipelineConfig, n: int = 1000) -> eval_job.EvalJob:
+    """``n`` arithmetic items (the test split's, repeated under new ids) at a 48-token cap, in
+    batches of 4: tens of seconds of decoding per worker."""
+    import dataclasses
+
+    test = held_out_items(tasks.task("arithmetic"), datasets(cfg)["arithmetic_test"]["params"], None)
+    rows = [{**test[i % len(test)], "id": f"{test[i % len(test)]['id']}#{i}"} for i in range(n)]
+    e = dataclasses.replace(cfg.evaluate, max_new_tokens=48)
+    e.tasks["arithmetic"] = dataclasses.replace(e.tasks["arithmetic"], max_new_tokens=48)
+    return eval_job.EvalJob(model_uri=model_dir, evaluate=e, sets={"arithmetic_test": rows}, label="slow")
+
+
+def recording_popen(monkeypatch) -> list:
+    started, real = [], eval_job.subprocess.Popen
+    monkeypatch.setattr(eval_job.subprocess, "Popen", lambda *a, **k: started.append(real(*a, **k)) or started[-1])
+    return started
+
+
+def test_when_one_worker_fails_the_other_is_stopped_not_left_decoding(model_dir, monkeypatch):
+    cfg = config(2)
+    job = slow_job(model_dir, cfg)
+    job.sets["arithmetic_test"][1] = {k: v for k, v in job.sets["arithmetic_test"][1].items() if k != "gold"}
+    started = recording_popen(monkeypatch)  # worker 1 reads item 1 in its first batch and fails grading it
+    with pytest.raises(RuntimeError, match="worker 1 of 2 exited with 1"):
+        eval_job.run_split(job, 2, threads=1)
+    assert len(started) == 2 and started[1].returncode == 1
+    assert started[0].returncode == -15  # stopped by SIGTERM while still decoding its 500 items
+
+
+def test_workers_end_when_the_evaluating_process_is_killed_outright(model_dir, tmp_path):
+    """SIGKILL of the process that split the evaluation (as Metaflow kills a sibling task) runs
+    no cleanup; the workers end anyway (``die_with_parent``)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    cfg = config(2)
+    (tmp_path / "job.json").write_text(slow_job(model_dir, cfg, n=4000).to_json())
+    script = ("import sys; from pathlib import Path; from grpo_core.evaluation import job as j; "
+              "j.run_split(j.EvalJob.from_json(Path(sys.argv[1]).read_text()), 2, threads=1)")
+    parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "job.json")])
+    try:
+        deadline = time.time() + 60
+        while len(workers := psutil.Process(parent.pid).children()) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(workers) == 2, "the workers did not start"
+        time.sleep(3)  # past their start-up: the parent-death signal is set by now
+        assert all(w.is_running() for w in workers), json.dumps([w.pid for w in workers])
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        gone, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive, f"workers outlived their killed parent: {[w.pid for w in alive]}"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for w in psutil.Process().children(recursive=True):
+            w.kill()
 
 
 def test_the_config_refuses_a_split_it_cannot_run():

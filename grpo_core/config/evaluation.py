@@ -83,10 +83,11 @@ class EvalConfig:
     workers: int = 1
     """Local processes that share one checkpoint's evaluation on the local backend, each taking
     every N-th item of every set with the machine's cores shared out as torch threads
-    (``grpo_core/evaluation/job.py``): on a small CPU machine 2 processes of one thread decode
-    about 1.3x faster than one of two (benchmarks/NOTES.md). Sampled accuracy seeds worker i with
-    ``sampled_seed + i``, so its samples depend on N: compare runs with the same N. Not with
-    engine = "vllm"; other backends evaluate in one process per pod."""
+    (``grpo_core/evaluation/job.py``): on a small CPU machine 2 processes of one thread evaluate in
+    about 0.85x the wall time of one process of two (benchmarks/NOTES.md). Sampled accuracy seeds
+    worker i with ``sampled_seed + i``, so its samples depend on N (and greedy answers may, at rare
+    near-ties, since the batches differ): compare runs with the same N. Not with engine = "vllm";
+    other backends evaluate in one process per pod."""
     vllm: VllmSettings = field(default_factory=VllmSettings)
     """The server of ``engine = "vllm"`` (``[evaluate.vllm]``: the fields of a stage's vllm table;
     it serves the checkpoint in fp32, as the evaluation loads it)."""
@@ -105,7 +106,8 @@ class EvalConfig:
         require(all(isinstance(n, str) for n in self.sampled_sets), "evaluate.sampled_sets",
                 f"{self.sampled_sets!r}: give a list of evaluated set names, e.g. [\"gsm8k_test_le2\"]")
         check_choice(self.engine, ROLLOUT_ENGINES, "evaluate.engine")
-        require(isinstance(self.workers, int) and self.workers >= 1, "evaluate.workers",
+        require(isinstance(self.workers, int) and not isinstance(self.workers, bool) and self.workers >= 1,
+                "evaluate.workers",
                 f"must be an integer >= 1 (1: evaluate in one process), got {self.workers!r}")
         require(self.workers == 1 or self.engine != "vllm", "evaluate.workers",
                 "splits the work of an in-process engine; engine \"vllm\" decodes in a server of its own: "

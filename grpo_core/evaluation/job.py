@@ -109,7 +109,9 @@ def worker_threads(workers: int) -> int:
 def run_split(job: EvalJob, workers: int, threads: int | None = None) -> dict:
     """``job`` over ``workers`` local processes (``python -m grpo_core.evaluation.job``), each with
     ``threads`` torch threads (default ``worker_threads``); merged into item order. A worker that
-    fails fails the evaluation, naming it; the others are stopped, and none outlives this call."""
+    fails fails the evaluation, naming it; the others are stopped, and none outlives this call,
+    nor this process if it is killed outright (``die_with_parent``). ``-P``: the worker imports
+    grpo_core from ``PROJECT_DIR``, never from a checkout in its working directory."""
     threads = threads or worker_threads(workers)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_DIR), os.environ.get("PYTHONPATH")]))}
@@ -120,8 +122,9 @@ def run_split(job: EvalJob, workers: int, threads: int | None = None) -> dict:
         procs = []
         try:
             for i, out in enumerate(outs):
-                procs.append(subprocess.Popen([sys.executable, "-m", "grpo_core.evaluation.job", "--job", str(spec),
-                                               "--shard", str(i), "--of", str(workers), "--out", str(out)], env=env))
+                command = [sys.executable, "-P", "-m", "grpo_core.evaluation.job", "--job", str(spec), "--shard",
+                           str(i), "--of", str(workers), "--out", str(out), "--parent", str(os.getpid())]
+                procs.append(subprocess.Popen(command, env=env))
             codes = _wait_all(procs)
         finally:  # Ctrl-C or a failed step: no worker keeps decoding, orphaned
             for p in procs:
@@ -165,7 +168,8 @@ def evaluation_engine(e: EvalConfig, label: str, model, tok, sets: dict):
     bf16 = next(model.parameters()).dtype == torch.bfloat16
     spec = engines.EngineSpec(vllm=e.vllm, precision="bf16" if bf16 else "fp32",
                               max_model_len=e.max_prompt_tokens + max((e.budget(n) for n in sets), default=1),
-                              seed=e.sampled_seed, log_dir=tempfile.mkdtemp(prefix=f"grpo-evaluate-{label}-"),
+                              seed=e.sampled_seed,
+                              log_dir=tempfile.mkdtemp(prefix=f"grpo-evaluate-{label}-") if e.engine == "vllm" else ".",
                               where="evaluate.vllm")
     engine = SyncedOnce(engines.build(e.engine, tok, spec))
     try:
@@ -194,13 +198,31 @@ class SyncedOnce:
         self.engine.close()
 
 
+def die_with_parent(parent: int) -> None:
+    """End this worker when the process that started it dies, even by SIGKILL (a Metaflow task
+    killed after a sibling failed runs no cleanup): Linux's parent-death signal, then a check that
+    the parent did not die before it was set. Elsewhere only the check runs."""
+    import signal
+
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        sys.exit(f"evaluation worker: its parent {parent} is gone")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--job", required=True, help="the job's JSON (EvalJob.to_json)")
     p.add_argument("--shard", type=int, default=0)
     p.add_argument("--of", type=int, default=1)
     p.add_argument("--out", required=True, help="where this shard's results go (JSON)")
+    p.add_argument("--parent", type=int, help="the pid of the process that started this worker: end with it")
     a = p.parse_args(argv)
+    if a.parent:
+        die_with_parent(a.parent)
     if not 0 <= a.shard < a.of:
         p.error(f"--shard must be in 0..{a.of - 1}, got {a.shard}")
     import torch
