@@ -148,9 +148,10 @@ def test_packed_scoring_with_lora_adapters_on_and_off(monkeypatch):
 
 
 def test_packed_scoring_is_taken_only_where_it_mirrors_the_model(monkeypatch):
-    """Packed scoring runs for shared prompts on a mirrored model with the head in chunks; eager
-    attention, layers replayed in backward (activation checkpointing), the model's own head,
-    PACKED off and prompts not shared by each group all score through the model's forward."""
+    """Packed scoring runs for shared prompts on a mirrored model with the head in chunks, also
+    with its layers replayed in backward (activation checkpointing) unless FSDP2 shards them;
+    eager attention, the model's own head, PACKED off and prompts not shared by each group all
+    score through the model's forward."""
     model, tok = _model()
     batch = _batch(model, tok)
     model.train()
@@ -175,9 +176,30 @@ def test_packed_scoring_is_taken_only_where_it_mirrors_the_model(monkeypatch):
     assert not packed_scoring.packed_supported(model) and packed_calls() == 0
     monkeypatch.setattr(model.config, "_attn_implementation", "sdpa")
     enable_activation_checkpointing(model)
-    assert packed_calls() == 0
-    with torch.no_grad():  # nothing replays without a backward: the reference forward stays packed
-        assert packed_calls() == 1
+    assert packed_calls() == 1
+    assert packed_calls(_fsdp_sharded=lambda m: True) == 0  # a replay would not gather FSDP2's weights
+    with torch.no_grad():  # nothing replays without a backward
+        assert packed_calls(_fsdp_sharded=lambda m: True) == 1
+
+
+def test_checkpointed_packed_scoring_replays_each_layer_and_gives_the_same_gradients(monkeypatch):
+    """Activation checkpointing on: packed scoring keeps each layer's input only and runs the
+    layer again in backward (every layer twice), with the same log-probs, entropy and gradients
+    as without it, in float64."""
+    model, tok = _model()
+    batch = _batch(model, tok)
+    model = model.double().train()
+    layers, runs = len(model.model.layers), []
+    real = packed_scoring._layer
+    monkeypatch.setattr(packed_scoring, "_layer", lambda *a: runs.append(1) or real(*a))
+    plain = _scored(model, batch, True, monkeypatch)
+    assert len(runs) == layers
+    runs.clear()
+    enable_activation_checkpointing(model)
+    assert scoring._replays_layers(model)
+    replayed = _scored(model, batch, True, monkeypatch)
+    assert len(runs) == 2 * layers  # forward, then each layer again in backward
+    _assert_same(replayed, plain, batch.completion_mask, atol=1e-12)
 
 
 def test_packed_supported_refuses_what_it_does_not_restate():

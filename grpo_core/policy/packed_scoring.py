@@ -144,24 +144,36 @@ def _attention(attn, q, k, v, layout: _Layout):
     return packed.flatten(1)                                                              # [M, nh*D]
 
 
-def packed_hidden(model, batch: RolloutBatch, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _layer(layer, x, cos, sin, layout: _Layout):
+    """One decoder layer on the packed rows x [M, H]."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    D = attn.head_dim
+    q = _rotate(attn.q_proj(h).view(len(h), -1, D), cos, sin)
+    k = _rotate(attn.k_proj(h).view(len(h), -1, D), cos, sin)
+    v = attn.v_proj(h).view(len(h), -1, D)
+    x = x + attn.o_proj(_attention(attn, q, k, v, layout))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def packed_hidden(model, batch: RolloutBatch, device, checkpointed: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden [S, H], targets [S], target_slots [B, W]): the final hidden states at the positions
     that predict each completion token up to its EOS, those tokens, and their slots in the
     completion (True at t < the row's length; W its longest; S its True count; row-major).
-    The batch's G rows of each group must share their prompt."""
+    The batch's G rows of each group must share their prompt. ``checkpointed``: each layer keeps
+    only its input for backward and runs again there (activation checkpointing, as transformers'
+    gradient checkpointing does for the model's own forward; not for FSDP2-sharded layers, whose
+    weights the replay would not gather)."""
+    from torch.utils.checkpoint import checkpoint
+
     inner, layout = model.model, _Layout(batch, device)
     x = inner.embed_tokens(layout.ids)                                                    # [M, H]
     cos, sin = inner.rotary_emb(x[None], layout.positions[None])
     cos, sin = cos[0], _signed_sin(sin[0])                                                # [M, D]
     for layer in inner.layers:
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        D = attn.head_dim
-        q = _rotate(attn.q_proj(h).view(len(h), -1, D), cos, sin)
-        k = _rotate(attn.k_proj(h).view(len(h), -1, D), cos, sin)
-        v = attn.v_proj(h).view(len(h), -1, D)
-        x = x + attn.o_proj(_attention(attn, q, k, v, layout))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = (checkpoint(_layer, layer, x, cos, sin, layout, use_reentrant=False) if checkpointed
+             else _layer(layer, x, cos, sin, layout))
     x = inner.norm(x)
     last = x[layout.last_prompt]                                                          # [n, H]
     first = last[:, None].expand(-1, layout.group_size, -1).reshape(-1, 1, last.shape[-1])  # [B, 1, H]

@@ -166,9 +166,11 @@ def _head_dtype(hidden: torch.Tensor):
     return torch.get_autocast_dtype(kind)
 
 
-def _packed_logprobs(model, head, batch: RolloutBatch, temperature: float, with_entropy: bool, device):
-    """``completion_logprobs`` through ``packed_scoring``: no padding, prompts in the same matmuls."""
-    hidden, targets, slots = packed_hidden(model, batch, device)                      # [S, H], [S], [B, W]
+def _packed_logprobs(model, head, batch: RolloutBatch, temperature: float, with_entropy: bool, device,
+                     checkpointed: bool = False):
+    """``completion_logprobs`` through ``packed_scoring``: no padding, prompts in the same matmuls;
+    ``checkpointed``: its layers recomputed in backward."""
+    hidden, targets, slots = packed_hidden(model, batch, device, checkpointed)        # [S, H], [S], [B, W]
     lp, en = head_logprobs(hidden[None], head.weight, targets[None], temperature, bias=head.bias,
                            chunk_size=HEAD_CHUNK, compute_dtype=_head_dtype(hidden), with_entropy=with_entropy)
     B, T = batch.completion_ids.shape
@@ -205,6 +207,16 @@ class CompletionScorer(torch.nn.Module):
         return completion_logprobs(self.module, batch, temperature, with_entropy, self.shared_prefix)
 
 
+def _fsdp_sharded(model) -> bool:
+    """Whether FSDP2 shards any of ``model``'s modules (their weights are gathered by hooks that a
+    replayed packed layer would not run)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def _replays_layers(model) -> bool:
     """True when this forward will be recomputed layer by layer in backward (gradient checkpointing
     in training mode with grad on). transformers' checkpointed layers then drop the KV cache
@@ -229,9 +241,11 @@ def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_ent
     device = next(model.parameters()).device
     T, targets = batch.completion_ids.shape[1], batch.completion_ids.to(device)
     decoder, head = (None, None) if ddp else (chunked_head(model) or (None, None))  # DDP: its own forward
-    shared = shared_prefix and groups_share_prompts(batch) and not ddp and not _replays_layers(model)
-    if shared and head is not None and PACKED and packed_supported(model):
-        return _packed_logprobs(model, head, batch, temperature, with_entropy, device)
+    shared = shared_prefix and groups_share_prompts(batch) and not ddp
+    replay = _replays_layers(model)
+    if shared and head is not None and PACKED and packed_supported(model) and not (replay and _fsdp_sharded(model)):
+        return _packed_logprobs(model, head, batch, temperature, with_entropy, device, checkpointed=replay)
+    shared = shared and not replay  # the model's forward, replayed per layer, cannot share the prompt's cache
     if shared:
         pieces = _shared_prefix_outputs(model, batch, device, decoder)                 # [(rows, [b, L, .])]
     else:
