@@ -37,6 +37,7 @@ VARIANTS = {
     "mb1": {"execution": {"micro_batch_groups": 1}},
     "ckpt": {"execution": {"gradient_checkpointing": True}},
     "mb2+ckpt": {"execution": {"micro_batch_groups": 2, "gradient_checkpointing": True}},
+    "mb1+ckpt": {"execution": {"micro_batch_groups": 1, "gradient_checkpointing": True}},
     "beta0": {"loss": {"beta": 0.0}},
     # LoRA as bench_lora.py trains it (rank 16 on all linear layers; adapters take a 10x larger lr)
     "lora": {"lora": {"rank": 16, "alpha": 32.0}, "optim": {"lr": 1e-4}},
