@@ -13,11 +13,12 @@ from tests.trainer_helpers import ddp_update, in_process_trainer, trainer_stage
 
 def test_torchrun_two_ranks_with_gradient_checkpointing_equal_the_plain_one_process_update(tiny, tmp_path):
     """DDP around the scorer with layers replayed in backward (non-reentrant checkpointing): the
-    policy forward runs prompt and completion together, the reference keeps its shared prefix."""
+    policy's packed scoring checkpoints its own layers, so it keeps the shared prompt as the
+    reference does."""
     one, _ = ddp_update(tiny, tmp_path / "one.st", 1, "dapo")
     two, two_calls = ddp_update(tiny, tmp_path / "two.st", 2, "dapo", micro_batch_groups=1,
                                 execution={"gradient_checkpointing": True})
-    assert two_calls == 1  # the reference only
+    assert two_calls == 2  # the reference and the policy, each scored with its prompt shared
     assert one.keys() == two.keys()
     for k in one:
         assert torch.allclose(one[k], two[k], atol=1e-7, rtol=1e-4), k
