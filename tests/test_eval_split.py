@@ -129,6 +129,7 @@ def test_workers_end_when_the_evaluating_process_is_killed_outright(model_dir, t
     script = ("import sys; from pathlib import Path; from grpo_core.evaluation import job as j; "
               "j.run_split(j.EvalJob.from_json(Path(sys.argv[1]).read_text()), 2, threads=1)")
     parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "job.json")])
+    workers = []
     try:
         deadline = time.time() + 60
         while len(workers := psutil.Process(parent.pid).children()) < 2 and time.time() < deadline:
@@ -140,11 +141,12 @@ def test_workers_end_when_the_evaluating_process_is_killed_outright(model_dir, t
         parent.wait()
         gone, alive = psutil.wait_procs(workers, timeout=30)
         assert not alive, f"workers outlived their killed parent: {[w.pid for w in alive]}"
-    finally:
+    finally:  # only this test's processes: the session's servers are children of pytest too
         if parent.poll() is None:
             parent.kill()
-        for w in psutil.Process().children(recursive=True):
-            w.kill()
+        for w in workers:
+            if w.is_running():
+                w.kill()
 
 
 def test_the_config_refuses_a_split_it_cannot_run():
