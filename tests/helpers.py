@@ -40,6 +40,20 @@ def tiny_model_dir(path: Path, hidden: int = 64, layers: int = 2, seed: int = 0)
     return path
 
 
+def off_init_tiny_dir(path: Path, seed: int) -> str:
+    """A 2-layer Llama (hidden 64, 2 heads: head dim 32, which vLLM's CPU attention needs) with its
+    weights moved off the initialisation, so greedy argmaxes are not near-ties; saved to ``path``."""
+    from grpo_core.model.loading import build_tiny, save_policy
+
+    model, tok = build_tiny("llama", hidden=64, layers=2, heads=2, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    save_policy(model, tok, path)
+    return str(path)
+
+
 def stage_args(**fields) -> list[str]:
     """``--set`` arguments of grpo_core.train.entry for config ``fields``; a group (a dict of a
     config group's fields) becomes dotted keys, as a user would write them."""

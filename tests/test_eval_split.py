@@ -11,8 +11,8 @@ from grpo_core.config.pipeline import PipelineConfig
 from grpo_core.data import tasks
 from grpo_core.evaluation import job as eval_job
 from grpo_core.evaluation.greedy import held_out_items
-from grpo_core.model.loading import build_tiny, save_policy
 from grpo_core.pipeline.evaluation_step import _evaluate
+from tests.helpers import off_init_tiny_dir
 
 
 def config(workers: int, **evaluate) -> PipelineConfig:
@@ -25,15 +25,7 @@ def config(workers: int, **evaluate) -> PipelineConfig:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A 2-layer Llama moved off its initialisation (no near-tie argmaxes)."""
-    model, tok = build_tiny("llama", hidden=64, layers=2, heads=2, seed=5)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.2)
-    out = tmp_path_factory.mktemp("model")
-    save_policy(model, tok, out)
-    return str(out)
+    return off_init_tiny_dir(tmp_path_factory.mktemp("model"), seed=5)
 
 
 def datasets(cfg: PipelineConfig) -> dict:

@@ -2,14 +2,13 @@
 infra/vllm-env.sh builds) decodes every set, gives the in-process decoder's greedy answers item for
 item, and is stopped when the evaluation ends."""
 import pytest
-import torch
 
 from grpo_core.config.pipeline import PipelineConfig
 from grpo_core.data import tasks
-from grpo_core.model.loading import build_tiny, save_policy
 from grpo_core.pipeline.evaluation_step import _evaluate
 from grpo_core.rollout import vllm_server
 from grpo_core.rollout.vllm_engine import VllmEngine
+from tests.helpers import off_init_tiny_dir
 
 
 def config(engine: str) -> PipelineConfig:
@@ -23,16 +22,7 @@ def config(engine: str) -> PipelineConfig:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A 2-layer Llama (head dim 32: vLLM's CPU attention refuses less), its weights moved off
-    the initialisation so greedy argmaxes are not near-ties."""
-    model, tok = build_tiny("llama", hidden=64, layers=2, heads=2, seed=4)
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.2)
-    out = tmp_path_factory.mktemp("model")
-    save_policy(model, tok, out)
-    return str(out)
+    return off_init_tiny_dir(tmp_path_factory.mktemp("model"), seed=4)
 
 
 def test_the_evaluation_on_vllm_gives_the_in_process_greedy_answers_and_stops_its_server(model_dir, monkeypatch):
