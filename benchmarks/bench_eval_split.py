@@ -26,8 +26,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # grpo_core, bench_decode (also as a plain script)
 RESULTS = ROOT / "benchmarks" / "results"
+
+from bench_decode import quartiles  # noqa: E402
 
 from grpo_core.config.evaluation import EvalConfig  # noqa: E402
 from grpo_core.evaluation import job as eval_job  # noqa: E402
@@ -53,13 +55,6 @@ def timed(job: eval_job.EvalJob, workers: int, threads: int) -> tuple[float, dic
     t0 = time.perf_counter()
     out = eval_job.run_split(job, workers, threads)
     return time.perf_counter() - t0, out
-
-
-def quartiles(xs: list[float]) -> list[float]:
-    if len(xs) == 1:
-        return [round(xs[0], 1)] * 3
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return [round(v, 1) for v in q]
 
 
 def main(argv=None) -> dict:
@@ -93,7 +88,8 @@ def main(argv=None) -> dict:
         rounds.append(got)
         print(json.dumps({"round": r, **{k: round(v, 1) for k, v in got.items()}}), flush=True)
     same = sum(x == y for x, y in zip(answers["one_process"], answers["split"])) / max(1, len(answers["split"]))
-    summary = {way: {"s_q1_med_q3": quartiles([x[way] for x in rounds]), "workers": w, "threads": t}
+    summary = {way: {"s_q1_med_q3": [round(v, 1) for v in quartiles([x[way] for x in rounds])], "workers": w,
+                     "threads": t}
                for way, (w, t) in ways.items()}
     ratio = statistics.median(x["split"] / x["one_process"] for x in rounds)
     report = {"command": " ".join(["benchmarks/bench_eval_split.py", *(argv or sys.argv[1:])]), "model": a.model,
