@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo_core.config.evaluation import EvalConfig
-from grpo_core.io.paths import PROJECT_DIR
+from grpo_core.io.paths import subprocess_env
 
 
 @dataclass
@@ -113,8 +113,7 @@ def run_split(job: EvalJob, workers: int, threads: int | None = None) -> dict:
     nor this process if it is killed outright (``die_with_parent``). ``-P``: the worker imports
     grpo_core from ``PROJECT_DIR``, never from a checkout in its working directory."""
     threads = threads or worker_threads(workers)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_DIR), os.environ.get("PYTHONPATH")]))}
+    env = subprocess_env(threads)
     with tempfile.TemporaryDirectory(prefix=f"grpo-{job.label}-split-") as tmp:
         spec = Path(tmp) / "job.json"
         spec.write_text(job.to_json())

@@ -14,7 +14,6 @@ stage live (``on_progress``) and fails when any rank fails.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from pathlib import Path
 
 from grpo_core.config.stage import METRICS_FILE, SAMPLES_FILE
 from grpo_core.io import storage
-from grpo_core.io.paths import PROJECT_DIR
+from grpo_core.io.paths import subprocess_env
 
 
 @dataclass(frozen=True)
@@ -68,9 +67,7 @@ def launch_stage(stage_cfg: dict, nproc: int, threads: int, on_progress=None, po
     out = Path(runtime["output_dir"])
     stage_json = out / "stage.json"
     storage.atomic_write_text(stage_json, json.dumps(stage_cfg, indent=1))
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_DIR), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(torchrun_command(str(stage_json), nproc, gang), env=env)
+    proc = subprocess.Popen(torchrun_command(str(stage_json), nproc, gang), env=subprocess_env(threads))
     report = _ProgressReport(on_progress if gang.leads else None, out)
     try:
         while True:
