@@ -256,3 +256,23 @@ def test_eval_split_benchmark_times_both_ways_and_checks_their_answers(tmp_path)
     assert report["split_over_one_median"] > 0
     assert report["same_greedy_answers"] == 1.0
     assert json.loads((tmp_path / "smoke.json").read_text())["rounds"] == report["rounds"]
+
+
+def test_eval_plan_benchmark_times_this_checkout_against_a_commit(tmp_path):
+    """bench_eval_plan at a tiny size against HEAD: both checkouts timed in turn, each importing
+    its own grpo_core, the greedy answers of both sets compared, the worktree gone after it."""
+    import bench_eval_plan
+
+    if not os.environ.get("GSM8K_DIR"):
+        pytest.fail("bench_eval_plan reads GSM8K problems: set GSM8K_DIR to a local copy of openai/gsm8k")
+    worktrees = lambda: subprocess.run(["git", "-C", str(REPO), "worktree", "list"], text=True,  # noqa: E731
+                                       capture_output=True, check=True).stdout
+    before = worktrees()
+    report = bench_eval_plan.main(["--before", "HEAD", "--model", "tiny", "--sizes", "6,10", "--sampled-size", "3",
+                                   "--cap", "5", "--repeats", "1", "--out-dir", str(tmp_path), "--name", "smoke"])
+    assert set(report["rounds"][0]) == {"before", "after"} and all(v > 0 for v in report["rounds"][0].values())
+    assert set(report["same_greedy_answers"]) == {"gsm8k_test", "gsm8k_test_le2"}
+    assert all(0 <= v <= 1 for v in report["same_greedy_answers"].values())
+    assert report["sampled_right"]["after"].keys() == {"gsm8k_test_le2"}
+    assert worktrees() == before
+    assert json.loads((tmp_path / "smoke.json").read_text())["rounds"] == report["rounds"]

@@ -43,6 +43,50 @@ def test_interleave_refuses_parts_that_do_not_make_the_set():
         eval_job.interleave([[1, 2], [3]], 4)
 
 
+def overlapping_job(**evaluate) -> eval_job.EvalJob:
+    """GSM8K-shaped sets that share rows: "all" holds a..d, "easy" holds b, d, e (prompts of
+    different lengths); the first two of "easy" are also sampled."""
+    row = lambda name, prompt: {"id": f"gsm8k_test:{name}", "prompt": prompt, "gold": "1", "steps": 1}  # noqa: E731
+    a, b, c, d, e = (row("a", "x" * 50), row("b", "x" * 10), row("c", "x" * 30), row("d", "x" * 20), row("e", "x" * 5))
+    cfg = config(2, **{"gsm8k": {"max_new_tokens": 256}, **evaluate})
+    return eval_job.EvalJob(model_uri="-", evaluate=cfg.evaluate, sets={"gsm8k_test": [a, b, c, d],
+                            "gsm8k_test_le2": [b, d, e]}, sampled={"gsm8k_test_le2": [b, d]},
+                            temperatures={"gsm8k_test_le2": 1.0})
+
+
+def test_sets_that_share_rows_decode_each_row_once_shortest_prompt_first():
+    streams = eval_job.streams(overlapping_job())
+    assert list(streams) == ["greedy:gsm8k@256", "sampled:gsm8k_test_le2"]
+    greedy = streams["greedy:gsm8k@256"]
+    assert [r["id"][-1] for r in greedy.rows] == ["e", "b", "d", "c", "a"] and greedy.k == 0
+    sampled = streams["sampled:gsm8k_test_le2"]
+    assert [r["id"][-1] for r in sampled.rows] == ["b", "d"] and (sampled.k, sampled.temperature) == (3, 1.0)
+
+
+def test_sets_with_different_caps_are_decoded_apart():
+    streams = eval_job.streams(overlapping_job(gsm8k={"max_new_tokens": 64}))
+    assert "greedy:gsm8k@64" in streams
+    job = overlapping_job()
+    job.sets["arithmetic_test"] = [{"id": "arith:1+1", "prompt": "What is 1 + 1?", "gold": "2"}]
+    assert [k for k in eval_job.streams(job) if k.startswith("greedy")] == ["greedy:gsm8k@256", "greedy:arithmetic@12"]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_merge_gives_every_set_its_rows_results_in_item_order(workers):
+    job = overlapping_job()
+    streams = eval_job.streams(job)
+    parts = [{key: [{"item_id": r["id"], "shard": i} for r in s.rows[i::workers]] for key, s in streams.items()}
+             for i in range(workers)]
+    out = eval_job.merge(job, parts)
+    assert {name: [r["item_id"][-1] for r in res] for name, res in out["items"].items()} == \
+        {"gsm8k_test": ["a", "b", "c", "d"], "gsm8k_test_le2": ["b", "d", "e"]}
+    shared = {r["item_id"]: r["shard"] for r in out["items"]["gsm8k_test"]}
+    assert all(shared.get(r["item_id"], r["shard"]) == r["shard"] for r in out["items"]["gsm8k_test_le2"])
+    assert [r["item_id"][-1] for r in out["sampled"]["gsm8k_test_le2"]] == ["b", "d"]
+    out["items"]["gsm8k_test"][1]["changed"] = True          # each set holds its own copy
+    assert "changed" not in out["items"]["gsm8k_test_le2"][0]
+
+
 def test_two_workers_give_each_shards_in_process_answers_in_item_order(model_dir):
     cfg = config(2)
     split = _evaluate(cfg, "curriculum", model_dir, datasets(cfg))

@@ -1,14 +1,20 @@
 """One checkpoint's evaluation as a job: every held-out set decoded greedily, the sampled sets k
 times per item, all from one engine; run in this process or split over local worker processes.
 
-A split job (``run_split``) gives worker i of N every N-th item of every set (``rows[i::N]``:
-each worker gets a like share of easy and hard items) and seeds its sampled accuracy with
-``sampled_seed + i``; the parent merges the parts back into item order. The split is fixed by N,
-so every checkpoint of a run (and every run with the same ``evaluate.workers``) draws the same
-samples for the same item: the paired tests still compare like with like. It exists because on a
-small CPU machine N processes of one thread decode faster than one process of N threads (the
-decode step is many small ops whose OpenMP barriers cost more than they share:
-benchmarks/NOTES.md, "Evaluation split over processes").
+The job decodes *streams*, not sets (``streams``): one greedy stream per task and cap holds every
+distinct row of the sets that share them, once (``gsm8k_test``'s first 100 items and
+``gsm8k_test_le2``'s 300 share 40), and each sampled set is a stream of its own; a stream's rows
+are ordered by prompt length, so a decoded chunk pads its prompts little. ``merge`` maps the
+streams' results back onto every set in item order.
+
+A split job (``run_split``) gives worker i of N every N-th row of every stream (``rows[i::N]``:
+each worker gets a like share of short and long prompts) and seeds its sampled accuracy with
+``sampled_seed + i``; the parent merges the parts. The split is fixed by the sets and N, so every
+checkpoint of a run (and every run with the same ``evaluate.workers``) draws the same samples for
+the same item: the paired tests still compare like with like. It exists because on a small CPU
+machine N processes of one thread decode faster than one process of N threads (the decode step is
+many small ops whose OpenMP barriers cost more than they share: benchmarks/NOTES.md, "Evaluation
+split over processes").
 
     python -m grpo_core.evaluation.job --job JOB.json --shard I --of N --out PART.json
 
@@ -56,9 +62,56 @@ class EvalJob:
         return cls(**{**data, "evaluate": EvalConfig.from_table(data["evaluate"])})
 
 
+@dataclass(frozen=True)
+class Stream:
+    """Rows decoded together: greedily at ``cap`` (``k`` = 0) or ``k`` samples each at
+    ``temperature``, graded by ``task``'s grader, in the order decoded."""
+
+    task: str
+    cap: int
+    rows: list
+    k: int = 0
+    temperature: float = 0.0
+
+
+def streams(job: EvalJob) -> dict[str, Stream]:
+    """What ``job`` decodes: ``greedy:<task>@<cap>`` (``greedy_key``) with the distinct rows of
+    every set of that task and cap, and ``sampled:<set>`` per sampled set; rows ordered by prompt
+    length (ties in order of first appearance)."""
+    from grpo_core.data import tasks
+
+    e, out = job.evaluate, {}
+    for name, rows in job.sets.items():
+        key = greedy_key(job, name)
+        distinct = {row_key(r): r for r in out[key].rows} if key in out else {}
+        for r in rows:
+            distinct.setdefault(row_key(r), r)
+        out[key] = Stream(tasks.split_of(name)[0].name, e.budget(name), list(distinct.values()))
+    for name, rows in job.sampled.items():
+        out[f"sampled:{name}"] = Stream(tasks.split_of(name)[0].name, e.budget(name), list(rows),
+                                        k=e.sampled_k, temperature=job.temperatures[name])
+    return {key: dataclasses.replace(s, rows=sorted(s.rows, key=prompt_length)) for key, s in out.items()}
+
+
+def greedy_key(job: EvalJob, set_name: str) -> str:
+    """The greedy stream that decodes ``set_name``'s rows."""
+    from grpo_core.data import tasks
+    return f"greedy:{tasks.split_of(set_name)[0].name}@{job.evaluate.budget(set_name)}"
+
+
+def row_key(row: dict) -> str:
+    """A row's identity across sets: all of it (two sets' rows decode alike only if they are alike)."""
+    return json.dumps(row, sort_keys=True)
+
+
+def prompt_length(row: dict) -> int:
+    """The prompt's length in characters: a tokenizer-free stand-in for its tokens."""
+    return len(str(row.get("prompt", "")))
+
+
 def run(job: EvalJob, shard: int = 0, shards: int = 1) -> dict:
-    """Greedy results of ``job``'s sets and sampled results of its sampled sets, for the items of
-    ``shard`` (every ``shards``-th item from the ``shard``-th): ``{"items": {...}, "sampled": {...}}``."""
+    """The results of ``shard``'s share (every ``shards``-th row from the ``shard``-th) of each of
+    ``job``'s streams: stream key -> results in the stream's order; ``merge`` makes them sets."""
     import torch
 
     from grpo_core.data import tasks
@@ -71,17 +124,24 @@ def run(job: EvalJob, shard: int = 0, shards: int = 1) -> dict:
     model, tok = load_policy(job.model_uri, trust_remote_code=job.trust_remote_code)
     if torch.cuda.is_available():
         model.to("cuda")
-    grade = {name: tasks.split_of(name)[0].grade for name in job.sets}
     common = dict(batch_size=e.batch_size, max_prompt_tokens=e.max_prompt_tokens, system_prompt=job.system_prompt)
+    out = {}
     with evaluation_engine(e, job.label, model, tok, job.sets) as engine:
-        items = {name: greedy_results(model, tok, rows[shard::shards], max_new_tokens=e.budget(name),
-                                      grade=grade[name], engine=engine, **common)
-                 for name, rows in job.sets.items()}
-        sampled = {name: sampled_results(model, tok, rows[shard::shards], k=e.sampled_k,
-                                         temperature=job.temperatures[name], max_new_tokens=e.budget(name),
-                                         seed=e.sampled_seed + shard, grade=grade[name], engine=engine, **common)
-                   for name, rows in job.sampled.items()}
-    return {"items": items, "sampled": sampled}
+        for key, s in streams(job).items():
+            grade, rows = tasks.task(s.task).grade, s.rows[shard::shards]
+            if s.k:
+                out[key] = sampled_results(model, tok, rows, k=s.k, temperature=s.temperature, max_new_tokens=s.cap,
+                                           seed=e.sampled_seed + shard, grade=grade, engine=engine, **common)
+            else:
+                out[key] = greedy_results(model, tok, rows, max_new_tokens=s.cap, grade=grade, engine=engine,
+                                          **common)
+    return out
+
+
+def evaluate(job: EvalJob, workers: int = 1) -> dict:
+    """``job``'s results per set in item order, ``{"items": {...}, "sampled": {...}}``: in this
+    process, or split over ``workers`` local processes (``run_split``)."""
+    return run_split(job, workers) if workers > 1 else merge(job, [run(job)])
 
 
 def interleave(parts: list[list], total: int) -> list:
@@ -93,10 +153,15 @@ def interleave(parts: list[list], total: int) -> list:
 
 
 def merge(job: EvalJob, parts: list[dict]) -> dict:
-    """The split runs' results in item order, as ``run(job)`` returns them."""
-    return {"items": {name: interleave([p["items"][name] for p in parts], len(rows))
+    """The parts' stream results as ``job``'s sets in item order: ``{"items": {set: [...]},
+    "sampled": {set: [...]}}``, a row that two sets share given the same result in both."""
+    by_row = {}
+    for key, s in streams(job).items():
+        results = interleave([p[key] for p in parts], len(s.rows))
+        by_row[key] = {row_key(r): res for r, res in zip(s.rows, results)}
+    return {"items": {name: [dict(by_row[greedy_key(job, name)][row_key(r)]) for r in rows]
                       for name, rows in job.sets.items()},
-            "sampled": {name: interleave([p["sampled"][name] for p in parts], len(rows))
+            "sampled": {name: [dict(by_row[f"sampled:{name}"][row_key(r)]) for r in rows]
                         for name, rows in job.sampled.items()}}
 
 

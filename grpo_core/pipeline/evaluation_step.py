@@ -55,7 +55,7 @@ def _evaluate(cfg: PipelineConfig, stage: str, model_uri: str, datasets: dict) -
         system_prompt=stage_system_prompt(cfg, stage), label=stage,
         trust_remote_code=any(getattr(cfg, s.name).get("trust_remote_code", False) for s in stages.GRPO_STAGES))
     workers = e.workers if cfg.compute.backend == "local" else 1
-    out = eval_job.run_split(job, workers) if workers > 1 else eval_job.run(job)
+    out = eval_job.evaluate(job, workers)
     items, sampled = out["items"], out["sampled"]
     return {"stage": stage, "model_uri": model_uri, "items": items, "sampled": sampled,
             "system_prompt": job.system_prompt, "engine": e.engine, "workers": workers,
