@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,10 +65,10 @@ class EvalJob:
 
 @dataclass(frozen=True)
 class Stream:
-    """Rows decoded together: greedily at ``cap`` (``k`` = 0) or ``k`` samples each at
-    ``temperature``, graded by ``task``'s grader, in the order decoded."""
+    """Rows decoded together, in the order decoded: greedily at ``cap`` (``k`` = 0) or ``k``
+    samples each at ``temperature``; graded by ``grade``, their task's grader."""
 
-    task: str
+    grade: Callable[[str, str], bool]
     cap: int
     rows: list
     k: int = 0
@@ -86,9 +87,9 @@ def streams(job: EvalJob) -> dict[str, Stream]:
         distinct = {row_key(r): r for r in out[key].rows} if key in out else {}
         for r in rows:
             distinct.setdefault(row_key(r), r)
-        out[key] = Stream(tasks.split_of(name)[0].name, e.budget(name), list(distinct.values()))
+        out[key] = Stream(tasks.split_of(name)[0].grade, e.budget(name), list(distinct.values()))
     for name, rows in job.sampled.items():
-        out[f"sampled:{name}"] = Stream(tasks.split_of(name)[0].name, e.budget(name), list(rows),
+        out[f"sampled:{name}"] = Stream(tasks.split_of(name)[0].grade, e.budget(name), list(rows),
                                         k=e.sampled_k, temperature=job.temperatures[name])
     return {key: dataclasses.replace(s, rows=sorted(s.rows, key=prompt_length)) for key, s in out.items()}
 
@@ -114,7 +115,6 @@ def run(job: EvalJob, shard: int = 0, shards: int = 1) -> dict:
     ``job``'s streams: stream key -> results in the stream's order; ``merge`` makes them sets."""
     import torch
 
-    from grpo_core.data import tasks
     from grpo_core.evaluation.greedy import greedy_results
     from grpo_core.evaluation.sampled import sampled_results
     from grpo_core.model.loading import load_policy
@@ -128,12 +128,12 @@ def run(job: EvalJob, shard: int = 0, shards: int = 1) -> dict:
     out = {}
     with evaluation_engine(e, job.label, model, tok, job.sets) as engine:
         for key, s in streams(job).items():
-            grade, rows = tasks.task(s.task).grade, s.rows[shard::shards]
+            rows = s.rows[shard::shards]
             if s.k:
                 out[key] = sampled_results(model, tok, rows, k=s.k, temperature=s.temperature, max_new_tokens=s.cap,
-                                           seed=e.sampled_seed + shard, grade=grade, engine=engine, **common)
+                                           seed=e.sampled_seed + shard, grade=s.grade, engine=engine, **common)
             else:
-                out[key] = greedy_results(model, tok, rows, max_new_tokens=s.cap, grade=grade, engine=engine,
+                out[key] = greedy_results(model, tok, rows, max_new_tokens=s.cap, grade=s.grade, engine=engine,
                                           **common)
     return out
 
