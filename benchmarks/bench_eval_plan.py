@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -71,6 +72,10 @@ def timed(tree: str, a, model_uri: str) -> dict:
         return json.loads(Path(f.name).read_text())
 
 
+def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], text=True, capture_output=True).stdout.strip()
+
+
 def model_for(a) -> str:
     if a.model != "tiny":
         return a.model
@@ -117,14 +122,16 @@ def main(argv=None) -> dict:
             print(json.dumps({"round": r, **{k: round(v, 1) for k, v in got.items()}}), flush=True)
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", base], check=False)
+        if a.model == "tiny":
+            shutil.rmtree(model_uri, ignore_errors=True)
     from bench_decode import quartiles
     same = {n: sum(x == y for x, y in zip(answers["before"]["answers"][n], answers["after"]["answers"][n]))
             / max(1, len(answers["after"]["answers"][n])) for n in SETS}
     summary = {way: [round(v, 1) for v in quartiles([x[way] for x in rounds])] for way in trees}
     ratio = statistics.median(x["after"] / x["before"] for x in rounds)
     report = {"command": " ".join(["benchmarks/bench_eval_plan.py", *(argv or sys.argv[1:])]), "model": a.model,
-              "before": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", a.before], text=True,
-                                       capture_output=True).stdout.strip(),
+              "before": git("rev-parse", "--short", a.before), "after": git("rev-parse", "--short", "HEAD"),
+              "after_tree_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
               "sizes": a.sizes, "sampled_size": a.sampled_size, "cap": a.cap, "workers": a.workers,
               "cpus": os.cpu_count(), "rounds": rounds, "wall_s_q1_med_q3": summary, "after_over_before_median": ratio,
               "same_greedy_answers": same,

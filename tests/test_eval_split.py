@@ -44,8 +44,8 @@ def test_interleave_refuses_parts_that_do_not_make_the_set():
 
 
 def overlapping_job(**evaluate) -> eval_job.EvalJob:
-    """GSM8K-shaped sets that share rows: "all" holds a..d, "easy" holds b, d, e (prompts of
-    different lengths); the first two of "easy" are also sampled."""
+    """GSM8K-shaped sets that share rows: gsm8k_test holds a..d, gsm8k_test_le2 holds b, d, e
+    (prompts of different lengths); the first two of gsm8k_test_le2 are also sampled."""
     row = lambda name, prompt: {"id": f"gsm8k_test:{name}", "prompt": prompt, "gold": "1", "steps": 1}  # noqa: E731
     a, b, c, d, e = (row("a", "x" * 50), row("b", "x" * 10), row("c", "x" * 30), row("d", "x" * 20), row("e", "x" * 5))
     cfg = config(2, **{"gsm8k": {"max_new_tokens": 256}, **evaluate})
@@ -63,7 +63,7 @@ def test_sets_that_share_rows_decode_each_row_once_shortest_prompt_first():
     assert [r["id"][-1] for r in sampled.rows] == ["b", "d"] and (sampled.k, sampled.temperature) == (3, 1.0)
 
 
-def test_sets_with_different_caps_are_decoded_apart():
+def test_a_stream_is_named_by_its_task_and_cap_and_tasks_are_decoded_apart():
     streams = eval_job.streams(overlapping_job(gsm8k={"max_new_tokens": 64}))
     assert "greedy:gsm8k@64" in streams
     job = overlapping_job()
@@ -85,6 +85,23 @@ def test_merge_gives_every_set_its_rows_results_in_item_order(workers):
     assert [r["item_id"][-1] for r in out["sampled"]["gsm8k_test_le2"]] == ["b", "d"]
     out["items"]["gsm8k_test"][1]["changed"] = True          # each set holds its own copy
     assert "changed" not in out["items"]["gsm8k_test_le2"][0]
+    parts[0]["greedy:gsm8k@256"].reverse()                    # a part from another plan is refused
+    with pytest.raises(ValueError, match="do not follow this job's plan"):
+        eval_job.merge(job, parts)
+
+
+def test_rows_two_sets_share_come_back_the_same_through_the_workers(model_dir):
+    cfg = config(2)
+    rows = held_out_items(tasks.task("arithmetic"), datasets(cfg)["arithmetic_test"]["params"], 10)
+    job = eval_job.EvalJob(model_uri=model_dir, evaluate=cfg.evaluate,
+                           sets={"arithmetic_test": rows[:8], "arithmetic_validation": rows[3:10]}, label="shared")
+    split = eval_job.run_split(job, 2, threads=1)
+    got = {name: [(r["item_id"], r["completion"]) for r in res] for name, res in split["items"].items()}
+    assert [i for i, _ in got["arithmetic_test"]] == [r["id"] for r in rows[:8]]
+    assert [i for i, _ in got["arithmetic_validation"]] == [r["id"] for r in rows[3:10]]
+    assert got["arithmetic_test"][3:] == got["arithmetic_validation"][:5]
+    here = eval_job.merge(job, [eval_job.run(job)])
+    assert {name: [(r["item_id"], r["completion"]) for r in res] for name, res in here["items"].items()} == got
 
 
 def test_two_workers_give_each_shards_in_process_answers_in_item_order(model_dir):
@@ -140,8 +157,10 @@ def recording_popen(monkeypatch) -> list:
 def test_when_one_worker_fails_the_other_is_stopped_not_left_decoding(model_dir, monkeypatch):
     cfg = config(2)
     job = slow_job(model_dir, cfg)
-    job.sets["arithmetic_test"][1] = {k: v for k, v in job.sets["arithmetic_test"][1].items() if k != "gold"}
-    started = recording_popen(monkeypatch)  # worker 1 reads item 1 in its first batch and fails grading it
+    bad = eval_job.streams(job)["greedy:arithmetic@48"].rows[1]["id"]  # worker 1's first row: it fails grading it
+    job.sets["arithmetic_test"] = [{k: v for k, v in r.items() if k != "gold" or r["id"] != bad}
+                                   for r in job.sets["arithmetic_test"]]
+    started = recording_popen(monkeypatch)
     with pytest.raises(RuntimeError, match="worker 1 of 2 exited with 1"):
         eval_job.run_split(job, 2, threads=1)
     assert len(started) == 2 and started[1].returncode == 1

@@ -82,12 +82,14 @@ class EvalConfig:
     checkpoint's evaluation and stopped after it)."""
     workers: int = 1
     """Local processes that share one checkpoint's evaluation on the local backend, each taking
-    every N-th item of every set with the machine's cores shared out as torch threads
+    every N-th row of each decoding stream (a task's sets together, a row they share decoded once,
+    shortest prompts first) with the machine's cores shared out as torch threads
     (``grpo_core/evaluation/job.py``): on a small CPU machine 2 processes of one thread evaluate in
     about 0.85x the wall time of one process of two (benchmarks/NOTES.md). Sampled accuracy seeds
-    worker i with ``sampled_seed + i``, so its samples depend on N (and greedy answers may, at rare
-    near-ties, since the batches differ): compare runs with the same N. Not with engine = "vllm";
-    other backends evaluate in one process per pod."""
+    worker i with ``sampled_seed + i``, so its samples depend on N; greedy answers may too, at rare
+    near-ties, as the batches do (they also depend on the sizes of the task's other sets): compare
+    runs with the same N and sets. Not with engine = "vllm"; other backends evaluate in one process
+    per pod."""
     vllm: VllmSettings = field(default_factory=VllmSettings)
     """The server of ``engine = "vllm"`` (``[evaluate.vllm]``: the fields of a stage's vllm table;
     it serves the checkpoint in fp32, as the evaluation loads it)."""

@@ -158,6 +158,8 @@ def merge(job: EvalJob, parts: list[dict]) -> dict:
     by_row = {}
     for key, s in streams(job).items():
         results = interleave([p[key] for p in parts], len(s.rows))
+        if stray := next((res["item_id"] for r, res in zip(s.rows, results) if res["item_id"] != r["id"]), None):
+            raise ValueError(f"the parts of {key} do not follow this job's plan: {stray} is out of place")
         by_row[key] = {row_key(r): res for r, res in zip(s.rows, results)}
     return {"items": {name: [dict(by_row[greedy_key(job, name)][row_key(r)]) for r in rows]
                       for name, rows in job.sets.items()},
