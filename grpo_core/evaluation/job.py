@@ -81,13 +81,13 @@ def streams(job: EvalJob) -> dict[str, Stream]:
     length (ties in order of first appearance)."""
     from grpo_core.data import tasks
 
-    e, out = job.evaluate, {}
+    e, out, distinct = job.evaluate, {}, {}
     for name, rows in job.sets.items():
         key = greedy_key(job, name)
-        distinct = {row_key(r): r for r in out[key].rows} if key in out else {}
+        seen = distinct.setdefault(key, {})
         for r in rows:
-            distinct.setdefault(row_key(r), r)
-        out[key] = Stream(tasks.split_of(name)[0].grade, e.budget(name), list(distinct.values()))
+            seen.setdefault(row_key(r), r)
+        out[key] = Stream(tasks.split_of(name)[0].grade, e.budget(name), list(seen.values()))
     for name, rows in job.sampled.items():
         out[f"sampled:{name}"] = Stream(tasks.split_of(name)[0].grade, e.budget(name), list(rows),
                                         k=e.sampled_k, temperature=job.temperatures[name])
