@@ -20,6 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import typing_extensions
+
+# Metaflow's Runner API loads Metaflow's vendored, older typing_extensions, which re-patches
+# typing._collect_parameters; torch modules imported after it (DTensor, which transformers loads
+# with a model class) then fail with "Type parameter ... without a default follows type parameter
+# with a default" (Netflix/metaflow#2462). Tests drive flows through the Runner in this process, so
+# the vendored name is bound to the installed typing_extensions before Metaflow can load its own.
+sys.modules.setdefault("metaflow._vendor.typing_extensions", typing_extensions)
 
 BIN = Path(sys.executable).parent  # the venv's console scripts: mlflow, moto_server
 MLFLOW_START_TIMEOUT_S = 90  # ~12 s on a 2-core box with a new db; leave room for a busy CI
