@@ -2,25 +2,29 @@
 decoding plan, before and after.
 
     .venv/bin/python benchmarks/bench_eval_plan.py --before e18868b     # the default run's GSM8K sets
+    .venv/bin/python benchmarks/bench_eval_plan.py --before HEAD --before-batch-size 64 --batch-size 128
+                                                       # one checkout, two greedy batch sizes
     .venv/bin/python benchmarks/bench_eval_plan.py --before HEAD --model tiny --sizes 6,10 --cap 8 \
         --repeats 1 --out-dir /tmp                                    # smoke run, seconds
 
 The job is the default run's greedy GSM8K evaluation (``flows/configs/local.toml``): the first
 ``--sizes`` items of ``gsm8k_test`` (any number of steps) and of ``gsm8k_test_le2`` (<= 2 steps;
 the two share 40 items at the default 100 and 300), optionally k = 2 samples at temperature 1.0
-for the first ``--sampled-size`` of the latter, 256-token cap, batches of 64, split over
+for the first ``--sampled-size`` of the latter, 256-token cap, batches of ``--batch-size`` rows
+(``--before-batch-size`` on the before side; both default to the default run's 64), split over
 ``--workers`` processes as ``evaluate.workers`` does. The same job runs from a checkout of
 ``--before`` (a git worktree made for the run, removed after it) and from this one, each in a
 process of its own that imports its own ``grpo_core``; the two alternate A B B A ... over
 ``--repeats`` rounds. Figures: wall seconds per round, medians with quartiles, their ratio, and the
 share of greedy answers that came out the same (the batches differ, so float rounding may flip a
-near-tie). Results: ``benchmarks/results/<name>.json``. GSM8K: ``GSM8K_DIR`` or the hub.
+near-tie), and the largest worker's peak RSS (``ru_maxrss`` of the job's child processes). Results: ``benchmarks/results/<name>.json``. GSM8K: ``GSM8K_DIR`` or the hub.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -47,7 +51,7 @@ def child(a) -> None:
     size, bounded = (int(x) for x in a.sizes.split(","))
     sampled = [SETS[1]] if a.sampled_size else []
     gsm8k_table = {"size": size, "max_difficulty": 2, "bounded_size": bounded, "max_new_tokens": a.cap}
-    e = EvalConfig.from_table({"max_new_tokens": 128, "batch_size": 64, "sampled_sets": sampled, "sampled_k": 2,
+    e = EvalConfig.from_table({"max_new_tokens": 128, "batch_size": a.batch_size, "sampled_sets": sampled, "sampled_k": 2,
                                "sampled_size": a.sampled_size, "gsm8k": gsm8k_table})
     source = gsm8k.resolve_source("openai/gsm8k")
     sets = {SETS[0]: held_out_items(tasks.task("gsm8k"), {"gsm8k_source": source, "gsm8k_max_steps": 0}, size),
@@ -58,17 +62,19 @@ def child(a) -> None:
     t0 = time.perf_counter()
     out = eval_job.run_split(job, a.workers)
     wall = time.perf_counter() - t0
-    Path(a.out).write_text(json.dumps({"wall_s": wall, "answers": {n: [r["completion"] for r in res]
+    worker_rss_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    Path(a.out).write_text(json.dumps({"wall_s": wall, "worker_peak_rss_gb": worker_rss_gb, "batch_size": e.batch_size,
+                                       "answers": {n: [r["completion"] for r in res]
                                                                     for n, res in out["items"].items()},
                                        "sampled_right": {n: sum(r["correct_k"] for r in res)
                                                          for n, res in out["sampled"].items()}}))
 
 
-def timed(tree: str, a, model_uri: str) -> dict:
+def timed(tree: str, a, model_uri: str, batch_size: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([sys.executable, __file__, "--child", "--tree", tree, "--model-uri", model_uri, "--out", f.name,
                         "--sizes", a.sizes, "--sampled-size", str(a.sampled_size), "--cap", str(a.cap),
-                        "--workers", str(a.workers)], check=True, cwd=tree)
+                        "--workers", str(a.workers), "--batch-size", str(batch_size)], check=True, cwd=tree)
         return json.loads(Path(f.name).read_text())
 
 
@@ -94,6 +100,8 @@ def main(argv=None) -> dict:
     p.add_argument("--sampled-size", type=int, default=0, help="of gsm8k_test_le2's, items sampled k = 2 times")
     p.add_argument("--cap", type=int, default=256, help="max_new_tokens")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=64, help="evaluate.batch_size of this checkout's side")
+    p.add_argument("--before-batch-size", type=int, help="evaluate.batch_size of the before side (default: --batch-size)")
     p.add_argument("--repeats", type=int, default=2, help="rounds of A B (then B A, ...)")
     p.add_argument("--name", default="eval_plan")
     p.add_argument("--out-dir", default=str(RESULTS))
@@ -110,13 +118,16 @@ def main(argv=None) -> dict:
     base = tempfile.mkdtemp(prefix="bench-eval-plan-tree-")
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", base, a.before], check=True)
     trees = {"before": base, "after": str(ROOT)}
+    batch = {"before": a.before_batch_size or a.batch_size, "after": a.batch_size}
     try:
-        rounds, answers = [], {}
+        rounds, answers, peak_rss_gb = [], {}, {}
         for r in range(a.repeats):
             got = {}
             for way in (list(trees) if r % 2 == 0 else list(reversed(trees))):
-                res = timed(trees[way], a, model_uri)
+                res = timed(trees[way], a, model_uri, batch[way])
                 got[way] = res["wall_s"]
+                peak_rss_gb.setdefault(way, []).append(res["worker_peak_rss_gb"])
+                assert res["batch_size"] == batch[way], (res["batch_size"], batch[way])
                 answers.setdefault(way, res)
             rounds.append(got)
             print(json.dumps({"round": r, **{k: round(v, 1) for k, v in got.items()}}), flush=True)
@@ -133,6 +144,7 @@ def main(argv=None) -> dict:
               "before": git("rev-parse", "--short", a.before), "after": git("rev-parse", "--short", "HEAD"),
               "after_tree_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
               "sizes": a.sizes, "sampled_size": a.sampled_size, "cap": a.cap, "workers": a.workers,
+              "batch_size": batch, "worker_peak_rss_gb": {way: round(max(v), 2) for way, v in peak_rss_gb.items()},
               "cpus": os.cpu_count(), "rounds": rounds, "wall_s_q1_med_q3": summary, "after_over_before_median": ratio,
               "same_greedy_answers": same,
               "sampled_right": {way: answers[way]["sampled_right"] for way in trees}}
@@ -140,7 +152,7 @@ def main(argv=None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{a.name}.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({"wall_s_q1_med_q3": summary, "after_over_before_median": round(ratio, 3),
-                      "same_greedy_answers": same}))
+                      "same_greedy_answers": same, "batch_size": batch, "worker_peak_rss_gb": report["worker_peak_rss_gb"]}))
     return report
 
 

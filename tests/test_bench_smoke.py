@@ -276,3 +276,17 @@ def test_eval_plan_benchmark_times_this_checkout_against_a_commit(tmp_path):
     assert report["sampled_right"]["after"].keys() == {"gsm8k_test_le2"}
     assert worktrees() == before
     assert json.loads((tmp_path / "smoke.json").read_text())["rounds"] == report["rounds"]
+
+
+def test_eval_plan_benchmark_compares_two_batch_sizes_of_one_checkout(tmp_path):
+    """--before-batch-size / --batch-size: each side's job is built with its own evaluate.batch_size
+    (the child reports the one it used), and each side's largest worker's peak RSS is recorded."""
+    import bench_eval_plan
+
+    if not os.environ.get("GSM8K_DIR"):
+        pytest.fail("bench_eval_plan reads GSM8K problems: set GSM8K_DIR to a local copy of openai/gsm8k")
+    report = bench_eval_plan.main(["--before", "HEAD", "--before-batch-size", "4", "--batch-size", "3", "--model", "tiny",
+                                   "--sizes", "6,10", "--cap", "5", "--repeats", "1", "--out-dir", str(tmp_path),
+                                   "--name", "smoke"])
+    assert report["batch_size"] == {"before": 4, "after": 3}
+    assert all(0.1 < report["worker_peak_rss_gb"][way] < 20 for way in ("before", "after")), report["worker_peak_rss_gb"]
