@@ -64,6 +64,11 @@ CONFIGS.update({
     "smollm2": dict(SMOLLM2, group_size=8, prompts=8, max_new_tokens=48),
     "smollm2_t128": dict(SMOLLM2, group_size=8, prompts=8, max_new_tokens=128, trl_micro_batch=8),
     "smollm2_g16": dict(SMOLLM2, group_size=16, prompts=8, max_new_tokens=48, trl_micro_batch=16),
+    # Issue #34 item 4, memory at matched settings: smollm2_t128 with activation checkpointing on both
+    # sides (ours checkpoints its packed scoring's layer loop; TRL the model's layers).
+    "smollm2_t128_ckpt": dict(SMOLLM2, group_size=8, prompts=8, max_new_tokens=128, trl_micro_batch=8,
+                              trl_gradient_checkpointing=True,
+                              ours={"execution": {"micro_batch_groups": 1, "gradient_checkpointing": True}}),
     # The default run's GSM8K stage shape (issue #34): GSM8K train problems of <= 2 calculator steps,
     # 8 prompts x G=16, 256 new tokens, both sides backward one group at a time.
     "smollm2_gsm8k": dict(SMOLLM2, task="gsm8k", task_params={"gsm8k_source": "openai/gsm8k", "gsm8k_max_steps": 2},

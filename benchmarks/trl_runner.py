@@ -76,13 +76,14 @@ def _trl_config(config_cls, spec: dict, common: dict, steps: int, torch_compile:
     """TRL's GRPOConfig for one bench config. One generation of P x G completions and one optimizer
     step per step; ``spec["trl_micro_batch"]`` (completions per forward/backward, default all of
     them) splits the step into gradient-accumulation micro-batches, generated together
-    (``steps_per_generation`` = accumulation steps, so TRL runs no old-log-prob forward)."""
+    (``steps_per_generation`` = accumulation steps, so TRL runs no old-log-prob forward);
+    ``spec["trl_gradient_checkpointing"]`` turns on TRL's activation checkpointing."""
     G, P = spec["group_size"], spec["prompts"]
     micro = spec.get("trl_micro_batch") or G * P
     accumulate = G * P // micro
     return config_cls(
         output_dir=tempfile.mkdtemp(prefix="bench_trl_"), use_cpu=True, bf16=False, fp16=False,
-        gradient_checkpointing=False, report_to="none", save_strategy="no", logging_strategy="no",
+        gradient_checkpointing=bool(spec.get("trl_gradient_checkpointing")), report_to="none", save_strategy="no", logging_strategy="no",
         disable_tqdm=True, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulate,
         num_generations=G, steps_per_generation=accumulate, num_iterations=1, max_steps=steps,
         max_completion_length=spec["max_new_tokens"], temperature=common["temperature"], top_k=common["top_k"],

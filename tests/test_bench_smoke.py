@@ -103,6 +103,28 @@ def test_trl_side_runs_the_same_config(tmp_path):
     assert [r["prompts"] for r in micro] == [r["prompts"] for r in ours]
 
 
+def test_the_matched_checkpointing_config_checkpoints_on_both_sides(tmp_path):
+    """``smollm2_t128_ckpt``'s settings (issue #34 item 4) on the quick shape: TRL's GRPOConfig gets
+    ``gradient_checkpointing`` (off without the key), and both sides run a step with it."""
+    try:
+        from trl import GRPOConfig
+    except ImportError:
+        pytest.fail("the TRL side needs trl: pip install -r requirements-bench.txt (.ci/run does)", pytrace=False)
+    from trl_runner import _trl_config, run_trl
+
+    matched = bench_grpo.CONFIGS["smollm2_t128_ckpt"]
+    assert matched["ours"]["execution"] == {"micro_batch_groups": 1, "gradient_checkpointing": True}
+    spec = dict(bench_grpo.CONFIGS["quick"], trl_micro_batch=bench_grpo.CONFIGS["quick"]["group_size"],
+                trl_gradient_checkpointing=True, ours=matched["ours"])
+    assert _trl_config(GRPOConfig, spec, bench_grpo.COMMON, 1, False).gradient_checkpointing is True
+    assert _trl_config(GRPOConfig, bench_grpo.CONFIGS["quick"], bench_grpo.COMMON, 1, False).gradient_checkpointing is False
+    model_dir = bench_grpo.build_model_dir(spec, tmp_path / "m")
+    trl_rows = run_trl(spec, bench_grpo.COMMON, bench_grpo.REWARD_FN, str(model_dir), iters=1, warmup=0)
+    ours = bench_grpo.run_ours(spec, str(model_dir), iters=1, warmup=0)
+    assert [r["prompts"] for r in trl_rows] == [r["prompts"] for r in ours]
+    assert all(r["fwd_bwd_step"] > 0 for r in trl_rows + ours), (trl_rows, ours)
+
+
 def test_the_gsm8k_shaped_config_gives_both_sides_the_same_easy_gsm8k_prompts(tmp_path):
     """A config's ``task`` and ``task_params`` (``smollm2_gsm8k``'s: GSM8K problems of <= 2 steps)
     reach both sides: the same prompts step by step, and they are those problems."""
