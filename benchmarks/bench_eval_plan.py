@@ -17,7 +17,8 @@ for the first ``--sampled-size`` of the latter, 256-token cap, batches of ``--ba
 process of its own that imports its own ``grpo_core``; the two alternate A B B A ... over
 ``--repeats`` rounds. Figures: wall seconds per round, medians with quartiles, their ratio, and the
 share of greedy answers that came out the same (the batches differ, so float rounding may flip a
-near-tie), and the largest worker's peak RSS (``ru_maxrss`` of the job's child processes). Results: ``benchmarks/results/<name>.json``. GSM8K: ``GSM8K_DIR`` or the hub.
+near-tie), and the largest worker's peak RSS (``ru_maxrss`` of the job's child processes).
+Results: ``benchmarks/results/<name>.json``. GSM8K: ``GSM8K_DIR`` or the hub.
 """
 from __future__ import annotations
 
@@ -51,8 +52,8 @@ def child(a) -> None:
     size, bounded = (int(x) for x in a.sizes.split(","))
     sampled = [SETS[1]] if a.sampled_size else []
     gsm8k_table = {"size": size, "max_difficulty": 2, "bounded_size": bounded, "max_new_tokens": a.cap}
-    e = EvalConfig.from_table({"max_new_tokens": 128, "batch_size": a.batch_size, "sampled_sets": sampled, "sampled_k": 2,
-                               "sampled_size": a.sampled_size, "gsm8k": gsm8k_table})
+    e = EvalConfig.from_table({"max_new_tokens": 128, "batch_size": a.batch_size, "sampled_sets": sampled,
+                               "sampled_k": 2, "sampled_size": a.sampled_size, "gsm8k": gsm8k_table})
     source = gsm8k.resolve_source("openai/gsm8k")
     sets = {SETS[0]: held_out_items(tasks.task("gsm8k"), {"gsm8k_source": source, "gsm8k_max_steps": 0}, size),
             SETS[1]: held_out_items(tasks.task("gsm8k"), {"gsm8k_source": source, "gsm8k_max_steps": 2}, bounded)}
@@ -101,7 +102,8 @@ def main(argv=None) -> dict:
     p.add_argument("--cap", type=int, default=256, help="max_new_tokens")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64, help="evaluate.batch_size of this checkout's side")
-    p.add_argument("--before-batch-size", type=int, help="evaluate.batch_size of the before side (default: --batch-size)")
+    p.add_argument("--before-batch-size", type=int,
+                   help="evaluate.batch_size of the before side (default: --batch-size)")
     p.add_argument("--repeats", type=int, default=2, help="rounds of A B (then B A, ...)")
     p.add_argument("--name", default="eval_plan")
     p.add_argument("--out-dir", default=str(RESULTS))
@@ -152,7 +154,8 @@ def main(argv=None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{a.name}.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({"wall_s_q1_med_q3": summary, "after_over_before_median": round(ratio, 3),
-                      "same_greedy_answers": same, "batch_size": batch, "worker_peak_rss_gb": report["worker_peak_rss_gb"]}))
+                      "same_greedy_answers": same, "batch_size": batch,
+                      "worker_peak_rss_gb": report["worker_peak_rss_gb"]}))
     return report
 
 

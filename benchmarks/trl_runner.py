@@ -83,7 +83,8 @@ def _trl_config(config_cls, spec: dict, common: dict, steps: int, torch_compile:
     accumulate = G * P // micro
     return config_cls(
         output_dir=tempfile.mkdtemp(prefix="bench_trl_"), use_cpu=True, bf16=False, fp16=False,
-        gradient_checkpointing=bool(spec.get("trl_gradient_checkpointing")), report_to="none", save_strategy="no", logging_strategy="no",
+        gradient_checkpointing=bool(spec.get("trl_gradient_checkpointing")), report_to="none", save_strategy="no",
+        logging_strategy="no",
         disable_tqdm=True, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulate,
         num_generations=G, steps_per_generation=accumulate, num_iterations=1, max_steps=steps,
         max_completion_length=spec["max_new_tokens"], temperature=common["temperature"], top_k=common["top_k"],
