@@ -26,6 +26,7 @@ quartiles over repeats. Results:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -110,11 +111,27 @@ def quartiles(xs: list[float]) -> list[float]:
 
 
 def lever_states(names: list[str]) -> list[tuple[str, dict]]:
-    """("all", {}) and, per lever, ("no_<lever>", {lever: False})."""
+    """("all", every named lever on) and, per lever, ("no_<lever>", that one off, the others on).
+    Each state sets every named lever explicitly: a lever's module default may be off
+    (``decode.SHARED_PREFIX_ATTENTION`` is), and "all" must not mean "as the module happens to be"."""
     for name in names:
         if name not in LEVERS:
             raise ValueError(f"--levers: unknown lever {name!r}; known: {sorted(LEVERS)}")
-    return [("all", {})] + [(f"no_{n}", {n: False}) for n in names]
+    on = {n: True for n in names}
+    return [("all", on)] + [(f"no_{n}", {**on, n: False}) for n in names]
+
+
+@contextlib.contextmanager
+def levers_set(values: dict):
+    """The levers in ``values`` set so inside the block, each restored to what it was after it."""
+    saved = {k: getattr(*LEVERS[k]) for k in values}
+    for k, value in values.items():
+        setattr(*LEVERS[k], value)
+    try:
+        yield {k: getattr(*LEVERS[k]) for k in values}
+    finally:
+        for k, value in saved.items():
+            setattr(*LEVERS[k], value)
 
 
 def measure(model, tok, args) -> list[dict]:
@@ -131,19 +148,13 @@ def measure(model, tok, args) -> list[dict]:
     for rep in range(args.repeats):
         for n, G, is_greedy in sampled + greedy:
             for cap in caps:
-                for state, off in lever_states(args.levers):
-                    saved = {k: getattr(*LEVERS[k]) for k in off}
-                    for k, value in off.items():
-                        setattr(*LEVERS[k], value)
-                    try:
+                for state, values in lever_states(args.levers):
+                    with levers_set(values) as levers:
                         rate = mm_gflops(args.threads, reps=5)  # this machine's speed drifts: the floor per run
                         r = run_once(model, tok, pools[is_greedy][:n], G, cap, is_greedy, seed=1000 + rep)
                         r["floor_frac"] = r["tok_s"] / (rate * 1e9 / (2 * args.n_params))
-                    finally:
-                        for k, value in saved.items():
-                            setattr(*LEVERS[k], value)
                     r.update(mode="greedy" if is_greedy else "sampled", rows=n * G, prompts=n, G=G, cap=cap,
-                             state=state, repeat=rep)
+                             state=state, levers=levers, repeat=rep)
                     records.append(r)
                     print(f"  rep {rep} {r['mode']:7s} {n}x{G} cap {cap} {state:18s} {r['tokens']:6d} tok "
                           f"{r['s']:7.1f} s {r['tok_s']:7.1f} tok/s ({100 * r['floor_frac']:.0f}% of floor)",
@@ -151,18 +162,13 @@ def measure(model, tok, args) -> list[dict]:
     return records
 
 
-def _stepper_with(off: dict, model, cache, mask, G: int, T: int):
-    """A ``decode._Stepper`` built with the levers in ``off`` switched off, its buffers zeroed
+def _stepper_with(values: dict, model, cache, mask, G: int, T: int):
+    """A ``decode._Stepper`` built with the levers set as in ``values``, its buffers zeroed
     (unwritten slots hold garbage, denormals or NaN: time real numbers), warmed by one step."""
     from grpo_core.rollout.decode import _Stepper
 
-    for k, value in off.items():
-        setattr(*LEVERS[k], value)
-    try:
+    with levers_set(values):
         step = _Stepper(model, cache, mask, G, T)
-    finally:
-        for k in off:
-            setattr(*LEVERS[k], True)
     for buf in step.keys + step.values:
         buf.zero_()
     step(torch.zeros(mask.shape[0] * G, dtype=torch.long), T - 1)
@@ -186,8 +192,8 @@ def step_times(model, tok, args) -> list[dict]:
                 ids, mask = encode_prompts(tok, [r["prompt"] for r in pool[:n]], 2048)
                 _, cache = prefill(model, ids, mask)
                 steppers = {}
-                for state, off in lever_states(args.levers):
-                    steppers[state] = _stepper_with(off, model, cache, mask, G, t + 1)
+                for state, values in lever_states(args.levers):
+                    steppers[state] = _stepper_with(values, model, cache, mask, G, t + 1)
                 tokens = torch.zeros(n * G, dtype=torch.long)
                 for _ in range(args.step_reps):  # A B A B: the states see the same machine
                     for state, step in steppers.items():
@@ -195,7 +201,8 @@ def step_times(model, tok, args) -> list[dict]:
                         step(tokens, t)
                         wall = time.perf_counter() - t0
                         records.append({"mode": "step", "prompts": n, "G": G, "cap": t, "state": state, "repeat": rep,
-                                        "s": wall, "tokens": n * G, "tok_s": n * G / wall, "steps": 1, "capped": 0})
+                                        "s": wall, "tokens": n * G, "tok_s": n * G / wall, "steps": 1, "capped": 0,
+                                        "shared_prefix_layout": step.shared})
                 print(f"  rep {rep} step {n}x{G} at {t} done", flush=True)
     return records
 

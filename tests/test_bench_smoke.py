@@ -251,8 +251,11 @@ def test_decode_benchmark_writes_tokens_per_second_for_every_shape_and_lever_sta
     and off, summarized against a positive floor, in a small JSON file."""
     import bench_decode
 
+    from grpo_core.rollout import decode
+
     if not os.environ.get("GSM8K_DIR"):
         pytest.fail("bench_decode reads GSM8K prompts: set GSM8K_DIR to a local copy of openai/gsm8k")
+    default = decode.SHARED_PREFIX_ATTENTION
     report = bench_decode.main(["--model", "tiny", "--sampled", "2x2", "--greedy", "3", "--caps", "6",
                                 "--step-shapes", "2x2", "--step-at", "3", "--step-reps", "1", "--repeats", "1",
                                 "--levers", "shared_prefix", "--out-dir", str(tmp_path), "--name", "smoke"])
@@ -261,6 +264,12 @@ def test_decode_benchmark_writes_tokens_per_second_for_every_shape_and_lever_sta
                     for s in ("all", "no_shared_prefix")}
     assert report["floor_tok_s"] > 0 and all(r["tok_s_q1_med_q3"][1] > 0 for r in report["summary"])
     assert all(0 < r["tokens"] <= r["rows"] * r["cap"] for r in report["runs"] if r["mode"] != "step")
+    # each state sets its levers explicitly (the module's default is off) and leaves the default as it was
+    assert decode.SHARED_PREFIX_ATTENTION is default
+    whole = {r["state"]: r["levers"] for r in report["runs"] if r["mode"] != "step"}
+    assert whole == {"all": {"shared_prefix": True}, "no_shared_prefix": {"shared_prefix": False}}
+    layouts = {(r["state"], r["shared_prefix_layout"]) for r in report["runs"] if r["mode"] == "step"}
+    assert layouts == {("all", True), ("no_shared_prefix", False)}  # G = 2: the lever applies
     written = tmp_path / "smoke.json"
     assert json.loads(written.read_text())["summary"] == report["summary"] and written.stat().st_size < 20_000
 
