@@ -185,11 +185,12 @@ class ExecutionSettings:
     bounds activation memory by this many groups instead of the rank's whole batch, with the same
     gradient (up to float rounding) and one optimizer step. 0: all of the rank's groups at once."""
     gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations during backward (transformers'
-    ``gradient_checkpointing_enable``, non-reentrant): the update keeps one layer's activations
-    instead of all of them, for about one more forward of compute. The update's forward then runs
-    prompt and completion together (as TRL does): a layer replayed in backward cannot share the
-    prompt's KV cache across the group. Sampling and the reference are unchanged."""
+    """Recompute each decoder layer's activations during backward (non-reentrant): the update keeps
+    each layer's input instead of all its activations, for about one more forward of compute.
+    Packed scoring (Llama/Qwen2-style models not sharded by FSDP2) checkpoints its own layer loop
+    and still runs each group's prompt once; otherwise transformers' gradient checkpointing runs
+    the model's forward over prompt and completion together (as TRL does), since a layer replayed
+    in backward cannot share the prompt's KV cache. Sampling and the reference are unchanged."""
     compile_scoring: bool = False
     """torch.compile (dynamic shapes) the policy and reference forwards that score completions for
     the loss (not the decoder). Pays on long runs only: the first iterations compile, in every
