@@ -27,7 +27,9 @@ import typing_extensions
 # with a model class) then fail with "Type parameter ... without a default follows type parameter
 # with a default" (Netflix/metaflow#2462). Tests drive flows through the Runner in this process, so
 # the vendored name is bound to the installed typing_extensions before Metaflow can load its own.
-sys.modules.setdefault("metaflow._vendor.typing_extensions", typing_extensions)
+if sys.modules.setdefault("metaflow._vendor.typing_extensions", typing_extensions) is not typing_extensions:
+    raise RuntimeError("Metaflow's vendored typing_extensions was loaded before tests/conftest.py (by a pytest "
+                       "plugin?): the alias cannot take effect; see Netflix/metaflow#2462")
 
 BIN = Path(sys.executable).parent  # the venv's console scripts: mlflow, moto_server
 MLFLOW_START_TIMEOUT_S = 90  # ~12 s on a 2-core box with a new db; leave room for a busy CI

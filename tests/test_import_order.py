@@ -52,4 +52,4 @@ def test_the_alias_is_what_keeps_that_order_working():
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("TypeError"), (
         f"torch's DTensor now imports after Metaflow's vendored typing_extensions ({out.stdout.strip()!r}): "
-        "Metaflow fixed #2462; drop the alias in tests/conftest.py and this test")
+        "Metaflow (#2462) or torch changed; drop the alias in tests/conftest.py and this test")
