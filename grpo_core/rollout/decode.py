@@ -21,7 +21,7 @@ from grpo_core.rollout.loops import LoopRule, LoopTracker
 
 SHARED_PREFIX_ATTENTION = False
 """G > 1: rows attend their prompt's K/V held once per prompt (else each row holds a copy). Off by
-default: it holds less memory (the prompt's K/V once, not G times) and is speed-neutral on CPU
+default: it holds less memory (the prompt's K/V once, not G times) and decodes faster at large G
 (benchmarks/NOTES.md), but its log-sum-exp merge rounds differently from the copied layout, so a
 seeded run's samples can differ from the measured default run's; turn it on for large G."""
 FAST_DECODE_MODEL_TYPES = ("llama", "qwen2")  # pre-norm RMSNorm, rotary, q/k/v/o attention, SiLU-gated MLP
