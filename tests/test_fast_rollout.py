@@ -333,6 +333,7 @@ def test_shared_prefix_attention_gives_generates_tokens_with_and_without_compact
     ref = _generate(model, ids, mask, 3, 12, eos, tok.pad_token_id, temperature=1.0, top_p=1.0, top_k=0, greedy=True)
     calls, real = [], decode._Stepper._shared_prefix_attention
     monkeypatch.setattr(decode._Stepper, "_shared_prefix_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(decode, "SHARED_PREFIX_ATTENTION", True)  # off by default: switch it on here
     for compact in (0.0, 0.99):
         fast = sample_shared_prefix(model, ids, mask, 3, max_new_tokens=12, eos_id=eos, pad_id=tok.pad_token_id,
                                     greedy=True, compact_below=compact)
