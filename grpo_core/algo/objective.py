@@ -68,7 +68,9 @@ IS_LINES = {"sequence_mask": "r = exp(sum over the sequence of (old_logp - sampl
 
 def rollout_correction(cfg) -> str:
     """How the policy term is reweighted for the engine sampling from its own copy of the weights."""
-    if cfg.sampling.rollout_engine != "vllm":
+    if cfg.sampling.rollout_engine != "vllm" and cfg.sampling.rollout_precision == "fp32":
         return "none: the in-process engine samples with the trained weights themselves (r = 1)"
     line = IS_LINES[cfg.loss.rollout_is].format(cap=cfg.loss.rollout_is_cap)
-    return f"{cfg.loss.rollout_is}: {line}; the weight is detached and multiplies the policy term, not the KL"
+    sampler = "a vLLM server" if cfg.sampling.rollout_engine == "vllm" else "a bf16 copy of the policy"
+    return (f"{cfg.loss.rollout_is}: {line}; the weight is detached and multiplies the policy term, not the KL "
+            f"(sampler: {sampler})")

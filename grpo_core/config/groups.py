@@ -80,6 +80,18 @@ class SamplingSettings:
     """What samples the rollouts, one of ``ROLLOUT_ENGINES``: auto (the shared-prefix decoder
     where the model supports it, else transformers' generate) | decoder (insist on the decoder) |
     generate (always generate) | vllm (a vLLM server from its own environment: ``[<stage>.vllm]``)."""
+    rollout_precision: str = "fp32"
+    """The weights the in-process engines (auto, decoder) sample with: fp32 (the policy's own) |
+    bf16 (a bfloat16 copy of the policy's parameters, refreshed before every rollout; buffers such
+    as the rotary frequencies stay float32): faster decoding on a CPU with bfloat16 matmuls
+    (avx512_bf16, AMX). The samples then come from a rounded policy, so the engine returns its
+    log-probs of its samples and ``loss.rollout_is`` corrects the gap as for vllm. Per-sequence
+    weights of a bf16 copy spread too widely to learn with, so sequence_* modes are refused with
+    bf16: set loss.rollout_is = "none" or a token_* mode (speed, gap and the learning check that
+    found this: benchmarks/NOTES.md, "Sampling from a bfloat16 copy"). Greedy
+    decoding (in-stage validation, which gates read, and the final evaluation) uses the policy
+    itself, so accuracies do not depend on this option. Needs rollout_engine auto or decoder on a
+    model the decoder supports, execution.precision fp32 and parallelism ddp."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop all-equal groups and draw more prompts to refill."""
     max_resample_rounds: int = 3
@@ -89,6 +101,11 @@ class SamplingSettings:
         w = f"{w}.sampling"
         check_choice(self.sampler, SAMPLERS, f"{w}.sampler")
         check_choice(self.rollout_engine, ROLLOUT_ENGINES, f"{w}.rollout_engine")
+        check_choice(self.rollout_precision, PRECISIONS, f"{w}.rollout_precision")
+        require(self.rollout_precision == "fp32" or self.rollout_engine in ("auto", "decoder"),
+                f"{w}.rollout_precision", f"'bf16' is the in-process decoder's bfloat16 copy, which rollout_engine "
+                f"'{self.rollout_engine}' does not use: set rollout_engine = 'decoder' (or 'auto'), or "
+                "rollout_precision = 'fp32' (vllm serves the dtype execution.precision names)")
         require(self.group_size >= 2, f"{w}.group_size", f"{self.group_size} < 2: a group needs at least "
                 "two samples for a baseline; set group_size >= 2")
         at_least(self, w, 1, "max_new_tokens", "max_prompt_tokens")
@@ -119,10 +136,11 @@ class LossSettings:
     """Exclude completions that hit sampling.max_new_tokens from the loss."""
     rollout_is: str = "sequence_mask"
     """Importance sampling between the trainer's policy and an engine that samples with its own copy
-    (vllm): r = exp(old_logp - sampler_logp) per token (token_*) or of the sum over the sequence
-    (sequence_*); truncate caps r at rollout_is_cap, mask zeroes it above the cap; the policy term
-    is multiplied by r (detached). none: measure only. In-process engines sample with the trained
-    weights themselves: no correction (r = 1)."""
+    (vllm, or sampling.rollout_precision = "bf16"): r = exp(old_logp - sampler_logp) per token
+    (token_*) or of the sum over the sequence (sequence_*); truncate caps r at rollout_is_cap,
+    mask zeroes it above the cap; the policy term is multiplied by r (detached). none: measure
+    only. In-process engines in fp32 sample with the trained weights themselves: no correction
+    (r = 1)."""
     rollout_is_cap: float = 3.0
     """The importance ratio's cap (TRL's vllm_importance_sampling_cap)."""
 

@@ -123,6 +123,21 @@ class GRPOConfig:
                     "with LoRA, or lora.rank = 0 with fsdp2")
             require(not self.execution.compile_scoring, f"{w}.execution.parallelism", "'fsdp2' with "
                     "compile_scoring = true is not supported; set compile_scoring = false or parallelism = 'ddp'")
+        if self.sampling.rollout_precision == "bf16":
+            require(self.execution.precision == "fp32", f"{w}.sampling.rollout_precision", "'bf16' samples with a "
+                    "bfloat16 copy of fp32 weights; execution.precision = 'bf16' already samples under bf16 "
+                    "autocast: set one of them back to 'fp32'")
+            require(self.execution.parallelism == "ddp", f"{w}.sampling.rollout_precision", "'bf16' with "
+                    "parallelism = 'fsdp2' is not supported (the copy would hold every rank's full weights); "
+                    "use parallelism = 'ddp' or rollout_precision = 'fp32'")
+            mode = self.loss.rollout_is
+            require(not mode.startswith("sequence"), f"{w}.loss.rollout_is", f"'{mode}' with "
+                    "sampling.rollout_precision = 'bf16' learnt less in a measured curriculum than 'none' or fp32 "
+                    "sampling (benchmarks/NOTES.md): per-sequence weights of a bf16 copy spread too widely; set "
+                    "loss.rollout_is = 'none' (or a token_* mode)")
+            require(not (self.lora.rank and self.lora.dropout), f"{w}.sampling.rollout_precision", "'bf16' samples "
+                    "with the shared-prefix decoder, which runs no adapter dropout (lora.dropout > 0 samples with "
+                    "generate): set lora.dropout = 0 or rollout_precision = 'fp32'")
         require(self.system_prompt is None or bool(self.system_prompt.strip()), f"{w}.system_prompt",
                 "is empty; omit it to keep the chat template's default system message, or give the text")
         require(bool(self.rewards), f"{w}.rewards", "needs at least one {fn, weight} entry")

@@ -27,7 +27,7 @@ class RolloutBatch:
     ref_logp: torch.Tensor | None = None      # [B, T] reference log-probs (beta > 0 only)
     loss_rows: torch.Tensor | None = None     # [B] bool: rows the loss counts (None: all of them)
     reward_parts: torch.Tensor | None = None  # [B, K] each reward function's raw value (nan: not applicable)
-    sampler_logp: torch.Tensor | None = None  # [B, T] the engine's log-probs of its samples (None: in-process)
+    sampler_logp: torch.Tensor | None = None  # [B, T] the engine's log-probs of its samples (None: trained weights)
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]

@@ -109,6 +109,14 @@ def sample_inverse_cdf(probs):
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)  # [b]
 
 
+def _scored_logp(logits, probs, tokens, temperature: float, filtered: bool):
+    """log softmax(logits / temperature) at ``tokens`` [b]: from ``probs`` (that softmax) when no
+    filter changed it, else computed again without the filters."""
+    if filtered:
+        return torch.log_softmax(logits / temperature, -1).gather(1, tokens[:, None]).squeeze(1)
+    return probs.gather(1, tokens[:, None]).squeeze(1).log()
+
+
 def _rms_norm(x, weight, eps: float):
     """transformers' Llama/Qwen2 RMSNorm (float32 statistics, weight applied last) in one fused op;
     ``F.rms_norm`` is bitwise equal to its x * rsqrt(mean(x^2) + eps) on CPU."""
@@ -284,8 +292,13 @@ def no_grad_for_sampling(device):
 def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: int, eos_id, pad_id: int,
                          temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
                          step_logits: list | None = None, compact_below: float = 0.75,
-                         sampler: str = "inverse_cdf", loop_rule: LoopRule | None = None):
-    """G completions per left-padded prompt [N, P] -> token ids [N*G, T'] (T' <= max_new_tokens).
+                         sampler: str = "inverse_cdf", loop_rule: LoopRule | None = None,
+                         return_logp: bool = False):
+    """G completions per left-padded prompt [N, P] -> token ids [N*G, T'] (T' <= max_new_tokens);
+    with ``return_logp``, also the log-probs [N*G, T'] (float32) of each sampled token under
+    softmax(logits / temperature): the distribution the loss scores (``completion_logprobs``), so
+    that with a copy of the weights the ratio measures the copy's gap alone; top-k/top-p stay the
+    sampler's filters, outside the ratio, as with the policy's own weights.
 
     Each prompt is prefilled once; its K/V are copied G times into buffers of P + T slots that the
     decode steps fill in place and attend over up to the current slot (``_Stepper``). Finished rows
@@ -305,6 +318,8 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
     with no_grad_for_sampling(ids.device):
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+        if return_logp and greedy:
+            raise ValueError("return_logp is for sampling: a greedy token has no sampling probability")
         G, T, dev = group_size, max_new_tokens, ids.device
         B = ids.shape[0] * G
         out, cache = prefill(model, ids, mask)
@@ -313,6 +328,7 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
         del out, cache
         stop = torch.as_tensor(eos_id, device=dev).flatten()                      # [S] stop ids
         tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)       # [B, T]
+        logp = torch.zeros((B, T), dtype=torch.float32, device=dev) if return_logp else None  # [B, T]
         rows = torch.arange(B, device=dev)                                       # [b] rows still decoded
         unfinished = torch.ones(B, dtype=torch.bool, device=dev)                 # [b]
         loops = LoopTracker(B, loop_rule, dev) if loop_rule is not None else None
@@ -325,6 +341,8 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
                 probs = torch.softmax(_warp(logits, temperature, top_k, top_p), dim=-1)
                 nxt = (sample_inverse_cdf(probs) if sampler == "inverse_cdf"
                        else torch.multinomial(probs, num_samples=1).squeeze(1))  # [b]
+                if logp is not None:
+                    logp[rows, t] = _scored_logp(logits, probs, nxt, temperature, filtered=bool(top_k) or top_p < 1.0)
             nxt = torch.where(unfinished, nxt, pad_id)
             tokens[rows, t] = nxt
             unfinished &= (nxt != stop[0]) if len(stop) == 1 else ~torch.isin(nxt, stop)
@@ -340,4 +358,4 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
                 if loops is not None:
                     loops.keep(keep)
             logits = step(nxt, t)
-        return tokens[:, :t + 1]
+        return tokens[:, :t + 1] if logp is None else (tokens[:, :t + 1], logp[:, :t + 1])

@@ -73,14 +73,17 @@ def completion_mask(completion_ids: torch.Tensor, eos_id) -> tuple[torch.Tensor,
 def generate_rollouts(model, tok, rows: list[dict], group_size: int, *, temperature: float,
                       top_p: float, top_k: int, max_new_tokens: int, max_prompt_tokens: int,
                       greedy: bool = False, engine: str = "auto", sampler: str = "inverse_cdf",
-                      system_prompt: str | None = None, stop_loops: bool = False) -> RolloutBatch:
+                      system_prompt: str | None = None, stop_loops: bool = False,
+                      sampler_logp: bool = False) -> RolloutBatch:
     """Sample ``group_size`` completions for each row (group-contiguous).
 
     engine: "auto" (the shared-prefix decoder where ``decode.fast_decode_supported``, else
     generate), "decoder" (insist on it) or "generate". sampler: the decoder's
     (``decode.sample_shared_prefix``). system_prompt: see ``render_prompts``. stop_loops: the
     decoder stops a row once it loops verbatim (``loops.LoopRule``); generate runs such rows to
-    the cap (``loops.looped`` flags them either way).
+    the cap (``loops.looped`` flags them either way). sampler_logp: the decoder also returns its
+    log-probs of its samples (``RolloutBatch.sampler_logp``, 0 past each completion's end), for an
+    engine sampling with a copy of the weights other than the trained ones.
     """
     if engine not in ("auto", "decoder", "generate"):
         raise ValueError(f"engine must be 'auto', 'decoder' or 'generate', got {engine!r}")
@@ -91,22 +94,28 @@ def generate_rollouts(model, tok, rows: list[dict], group_size: int, *, temperat
     ids, mask = encode_prompts(tok, prompts, max_prompt_tokens, [r.get("id", "") for r in rows], system_prompt)
     ids, mask = ids.to(model.device), mask.to(model.device)                  # [N, P]
     fast = engine == "decoder" or (engine == "auto" and decode.fast_decode_supported(model))
+    if sampler_logp and not fast:
+        raise ValueError(f"sampler log-probs come from the shared-prefix decoder, which does not support "
+                         f"{type(model).__name__}; sample in fp32 (rollout_precision = 'fp32')")
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
     stop = stop_token_ids(model, tok)
     if fast:
         comp = decode.sample_shared_prefix(model, ids, mask, group_size, max_new_tokens=max_new_tokens,
                                            eos_id=stop, pad_id=tok.pad_token_id, sampler=sampler,
-                                           loop_rule=LoopRule() if stop_loops else None, **sampling)
+                                           loop_rule=LoopRule() if stop_loops else None,
+                                           return_logp=sampler_logp, **sampling)
+        comp, logp = comp if sampler_logp else (comp, None)
     else:
-        comp = _generate(model, ids, mask, group_size, max_new_tokens, stop, tok.pad_token_id, **sampling)
+        comp, logp = _generate(model, ids, mask, group_size, max_new_tokens, stop, tok.pad_token_id, **sampling), None
     ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # [B, P]
     comp = comp.clone()  # [B, T]; a normal tensor again (not an inference tensor), usable by autograd
     cmask, truncated = completion_mask(comp, stop)
     comp = comp.masked_fill(~cmask, tok.pad_token_id)
     texts = tok.batch_decode(comp, skip_special_tokens=True)
     columns = {k: [r[k] for r in rows for _ in range(group_size)] for k in rows[0] if k != "prompt"}
+    logp = None if logp is None else logp.masked_fill(~cmask, 0.0).cpu()
     return RolloutBatch(ids.cpu(), mask.cpu(), comp.cpu(), cmask.cpu(), truncated.cpu(), group_size,
-                        [p for p in prompts for _ in range(group_size)], texts, columns)
+                        [p for p in prompts for _ in range(group_size)], texts, columns, sampler_logp=logp)
 
 
 def _generate(model, ids, mask, group_size, max_new_tokens, eos_id, pad_id, *, temperature, top_p, top_k,
