@@ -6,6 +6,8 @@ sampled, against the fp32 compute floor, with levers switched on and off side by
         --levers shared_prefix --repeats 3                               # one lever, A B A B
     .venv/bin/python benchmarks/bench_decode.py --sampled "" --greedy "" --step-shapes 64,128,256,8x16 \
         --levers shared_prefix                                           # one step at context P + 128
+    .venv/bin/python benchmarks/bench_decode.py --sampled 8x16 --greedy "" --precisions fp32,bf16 \
+        --name decode_bf16                                               # the rollout_precision lever
     .venv/bin/python benchmarks/bench_decode.py --model tiny --sampled 2x2 --greedy 4 --caps 8 \
         --repeats 1 --out-dir /tmp                                      # smoke run, seconds
 
@@ -15,6 +17,11 @@ Prompts: GSM8K train questions whose reference solution has <= 2 ``<<...>>`` cal
 stopping loops as the evaluation does). Every run goes through ``rollout.generate_rollouts``
 with the decoder engine, so it times what ``InProcessEngine.generate`` does (prompt rendering,
 prefill, decode, detokenizing). tokens: completion tokens up to and including the stop token.
+
+Precisions: ``fp32`` decodes with the model itself, ``bf16`` with the engine's bfloat16 copy
+(``engines.Bf16Copy``, what ``sampling.rollout_precision = "bf16"`` samples with); each repeat runs
+both in turn. The floor stays the fp32 one, so a bf16 share above 100% is possible; the bf16
+``torch.mm`` rate is recorded beside it.
 
 Floor: the median fp32 ``torch.mm`` rate (1024^3, the same threads) over 2 x parameters FLOP per
 token, measured again just before every sampled/greedy run (the run's share of the floor is
@@ -31,6 +38,7 @@ import json
 import statistics
 import sys
 import time
+from itertools import product
 from pathlib import Path
 
 import torch
@@ -40,15 +48,16 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
 from grpo_core.rollout import decode  # noqa: E402
+from grpo_core.rollout.engines import Bf16Copy  # noqa: E402
 
 LEVERS = {"shared_prefix": (decode, "SHARED_PREFIX_ATTENTION")}
 """Lever name -> (module, boolean attribute) that ``--levers`` switches off for the B runs."""
 
 
-def mm_gflops(threads: int, n: int = 1024, reps: int = 15) -> float:
-    """Median fp32 ``torch.mm`` rate (GFLOP/s) of an n x n x n product."""
+def mm_gflops(threads: int, n: int = 1024, reps: int = 15, dtype=torch.float32) -> float:
+    """Median ``torch.mm`` rate (GFLOP/s) of an n x n x n product (fp32 unless ``dtype``)."""
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     torch.mm(a, b)
     times = []
     for _ in range(reps):
@@ -144,19 +153,20 @@ def measure(model, tok, args) -> list[dict]:
         pools[False] = gsm8k_rows("train", max(n for n, *_ in sampled), args.max_steps)
     if greedy:
         pools[True] = gsm8k_rows("test", max(n for n, *_ in greedy), None)
+    models = {p: model if p == "fp32" else Bf16Copy().sync(model) for p in args.precisions}
     records = []
     for rep in range(args.repeats):
         for n, G, is_greedy in sampled + greedy:
             for cap in caps:
-                for state, values in lever_states(args.levers):
+                for (state, values), precision in product(lever_states(args.levers), args.precisions):
                     with levers_set(values) as levers:
                         rate = mm_gflops(args.threads, reps=5)  # this machine's speed drifts: the floor per run
-                        r = run_once(model, tok, pools[is_greedy][:n], G, cap, is_greedy, seed=1000 + rep)
+                        r = run_once(models[precision], tok, pools[is_greedy][:n], G, cap, is_greedy, seed=1000 + rep)
                         r["floor_frac"] = r["tok_s"] / (rate * 1e9 / (2 * args.n_params))
                     r.update(mode="greedy" if is_greedy else "sampled", rows=n * G, prompts=n, G=G, cap=cap,
-                             state=state, levers=levers, repeat=rep)
+                             state=state, precision=precision, levers=levers, repeat=rep)
                     records.append(r)
-                    print(f"  rep {rep} {r['mode']:7s} {n}x{G} cap {cap} {state:18s} {r['tokens']:6d} tok "
+                    print(f"  rep {rep} {r['mode']:7s} {n}x{G} cap {cap} {state:18s} {precision} {r['tokens']:6d} tok "
                           f"{r['s']:7.1f} s {r['tok_s']:7.1f} tok/s ({100 * r['floor_frac']:.0f}% of floor)",
                           flush=True)
     return records
@@ -200,7 +210,8 @@ def step_times(model, tok, args) -> list[dict]:
                         t0 = time.perf_counter()
                         step(tokens, t)
                         wall = time.perf_counter() - t0
-                        records.append({"mode": "step", "prompts": n, "G": G, "cap": t, "state": state, "repeat": rep,
+                        records.append({"mode": "step", "prompts": n, "G": G, "cap": t, "state": state,
+                                        "precision": "fp32", "repeat": rep,
                                         "s": wall, "tokens": n * G, "tok_s": n * G / wall, "steps": 1, "capped": 0,
                                         "shared_prefix_layout": step.shared})
                 print(f"  rep {rep} step {n}x{G} at {t} done", flush=True)
@@ -210,17 +221,16 @@ def step_times(model, tok, args) -> list[dict]:
 def summarize(records: list[dict], floor_tok_s: float) -> list[dict]:
     """Per (mode, prompts, G, cap, state): tokens/s [q1, median, q3] and its share of the floor (the
     median of the runs' shares of the floor measured just before each, where runs carry one)."""
-    keys = []
-    for r in records:
-        key = (r["mode"], r["prompts"], r["G"], r["cap"], r["state"])
-        if key not in keys:
-            keys.append(key)
+    def key(r):
+        return r["mode"], r["prompts"], r["G"], r["cap"], r["state"], r["precision"]
+
+    keys = list(dict.fromkeys(key(r) for r in records))
     out = []
-    for mode, n, G, cap, state in keys:
-        runs = [r for r in records
-                if (r["mode"], r["prompts"], r["G"], r["cap"], r["state"]) == (mode, n, G, cap, state)]
+    for mode, n, G, cap, state, precision in keys:
+        runs = [r for r in records if key(r) == (mode, n, G, cap, state, precision)]
         tok_s = quartiles([r["tok_s"] for r in runs])
         out.append({"mode": mode, "prompts": n, "G": G, "rows": n * G, "cap": cap, "state": state,
+                    "precision": precision,
                     "tok_s_q1_med_q3": [round(x, 1) for x in tok_s], "floor_frac": round(statistics.median(
                         r.get("floor_frac", r["tok_s"] / floor_tok_s) for r in runs), 3),
                     "tokens_median": statistics.median(r["tokens"] for r in runs),
@@ -237,6 +247,7 @@ def main(argv=None) -> dict:
     p.add_argument("--caps", default="256", help="comma list of max_new_tokens")
     p.add_argument("--max-steps", type=int, default=2, help="sampled prompts: at most this many <<...>> steps")
     p.add_argument("--levers", default="", help=f"comma list of levers also run switched off: {sorted(LEVERS)}")
+    p.add_argument("--precisions", default="fp32", help="comma list of decode precisions: fp32, bf16")
     p.add_argument("--step-shapes", default="", help="NxG shapes timed one decode step at a time ('' for none)")
     p.add_argument("--step-at", type=int, default=128, help="the timed step's index (context: prompt + this)")
     p.add_argument("--step-reps", type=int, default=3, help="timed steps per shape, lever state and repeat")
@@ -246,7 +257,11 @@ def main(argv=None) -> dict:
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
     args.levers = [x for x in args.levers.split(",") if x]
+    args.precisions = [x for x in args.precisions.split(",") if x]
+    if not args.precisions or set(args.precisions) - {"fp32", "bf16"}:
+        raise ValueError(f"--precisions: give a comma list of fp32 and bf16, got {args.precisions}")
     rate = mm_gflops(args.threads)
+    rate_bf16 = mm_gflops(args.threads, dtype=torch.bfloat16) if "bf16" in args.precisions else None
     model, tok = load_model(args.model)
     n_params = args.n_params = sum(p.numel() for p in model.parameters())
     floor = rate * 1e9 / (2 * n_params)
@@ -256,9 +271,11 @@ def main(argv=None) -> dict:
     rows = summarize(records, floor)
     for r in rows:
         q1, med, q3 = r["tok_s_q1_med_q3"]
-        print(f"{r['mode']:7s} {r['prompts']}x{r['G']} cap {r['cap']} {r['state']:18s} {med:7.1f} tok/s "
+        print(f"{r['mode']:7s} {r['prompts']}x{r['G']} cap {r['cap']} {r['state']:18s} {r['precision']} "
+              f"{med:7.1f} tok/s "
               f"[{q1:.1f}, {q3:.1f}] = {100 * r['floor_frac']:.0f}% of floor")
     report = {"command": " ".join(sys.argv), "model": args.model, "threads": args.threads, "mm_gflops": round(rate, 1),
+              "mm_gflops_bf16": rate_bf16 and round(rate_bf16, 1),
               "params": n_params, "floor_tok_s": round(floor, 1), "summary": rows,
               "runs": [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()} for r in records]}
     out = Path(args.out_dir) / f"{args.name}.json"

@@ -74,6 +74,10 @@ CONFIGS.update({
     "smollm2_gsm8k": dict(SMOLLM2, task="gsm8k", task_params={"gsm8k_source": "openai/gsm8k", "gsm8k_max_steps": 2},
                           group_size=16, prompts=8, max_new_tokens=256, trl_micro_batch=16),
 })
+# The same shape with our rollouts sampled from a bfloat16 copy of the policy
+# (sampling.rollout_precision = "bf16"; the gap measured, rollout_is "none" as bf16 needs); TRL stays fp32.
+CONFIGS["smollm2_gsm8k_bf16"] = dict(CONFIGS["smollm2_gsm8k"], ours={
+    "execution": {"micro_batch_groups": 1}, "sampling": {"rollout_precision": "bf16"}, "loss": {"rollout_is": "none"}})
 # A config's prompts: ``task`` (default arithmetic) read with ``task_params``, on both sides in the
 # order our trainer draws them (``trl_runner._dataset``).
 COMMON = dict(beta=0.04, lr=1e-4, temperature=1.0, top_k=0, top_p=1.0, clip=0.2, max_grad_norm=1.0,
@@ -97,6 +101,9 @@ def summarize(per_iter: list[dict], warmup: int) -> dict:
            "all_s_per_iter": [round(r["total"], 4) for r in per_iter],
            "iter_wall": [r["wall"] for r in per_iter if "wall" in r],  # [start, end] Unix times: the lockstep
            "prompt_digests": [r.get("prompts") for r in per_iter]}
+    for k in ("rollout_logp_gap_mean", "rollout_is_capped_frac"):  # a side that samples from a copy
+        if any(k in r for r in per_iter):
+            out[k] = [r.get(k) for r in per_iter]
     return out
 
 
@@ -227,7 +234,8 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
                      "tokens": float(batch.completion_mask.sum()), "completions": len(batch),
                      "update_flops": update_flops(trainer.policy.model, batch),
                      "prompts": prompts_digest(render_prompts(trainer.policy.tok, batch.prompts)),
-                     "reward_mean": m["reward"], "kl": m["kl"]})
+                     "reward_mean": m["reward"], "kl": m["kl"],
+                     **{k: m[k] for k in ("rollout_logp_gap_mean", "rollout_is_capped_frac") if k in m}})
         if emit:
             emit(rows[-1])
     return rows

@@ -126,6 +126,22 @@ def test_the_matched_checkpointing_config_checkpoints_on_both_sides(tmp_path):
     assert all(r["fwd_bwd_step"] > 0 for r in trl_rows + ours), (trl_rows, ours)
 
 
+def test_the_bf16_rollout_config_samples_from_the_copy_and_records_the_gap(tmp_path):
+    """``smollm2_gsm8k_bf16``'s settings on the quick shape: our side samples with the bf16 copy, so
+    its rows carry the trainer/sampler log-prob gap that the plain config's never do."""
+    bf16 = bench_grpo.CONFIGS["smollm2_gsm8k_bf16"]
+    assert bf16["ours"]["sampling"] == {"rollout_precision": "bf16"} and bf16["ours"]["loss"] == {"rollout_is": "none"}
+    assert {k: v for k, v in bf16.items() if k != "ours"} == \
+        {k: v for k, v in bench_grpo.CONFIGS["smollm2_gsm8k"].items() if k != "ours"}  # the same shape otherwise
+    spec = dict(bench_grpo.CONFIGS["quick"], ours=bf16["ours"])
+    model_dir = str(bench_grpo.build_model_dir(spec, tmp_path / "m"))
+    rows = bench_grpo.run_ours(spec, model_dir, iters=1, warmup=0)
+    assert rows[0]["rollout_logp_gap_mean"] > 1e-4 and 0 <= rows[0]["rollout_is_capped_frac"] <= 1  # a bf16 gap
+    assert bench_grpo.summarize(rows, 0)["rollout_logp_gap_mean"] == [rows[0]["rollout_logp_gap_mean"]]
+    plain = bench_grpo.run_ours(bench_grpo.CONFIGS["quick"], model_dir, iters=1, warmup=0)
+    assert "rollout_logp_gap_mean" not in plain[0] and "rollout_logp_gap_mean" not in bench_grpo.summarize(plain, 0)
+
+
 def test_the_gsm8k_shaped_config_gives_both_sides_the_same_easy_gsm8k_prompts(tmp_path):
     """A config's ``task`` and ``task_params`` (``smollm2_gsm8k``'s: GSM8K problems of <= 2 steps)
     reach both sides: the same prompts step by step, and they are those problems."""
@@ -274,6 +290,23 @@ def test_decode_benchmark_writes_tokens_per_second_for_every_shape_and_lever_sta
     assert json.loads(written.read_text())["summary"] == report["summary"] and written.stat().st_size < 20_000
 
 
+def test_decode_benchmark_runs_each_precision_side_by_side(tmp_path):
+    """--precisions fp32,bf16: the same shape decoded by the model and by the engine's bf16 copy in
+    every repeat, each summarized apart, the bf16 mm rate recorded beside the fp32 floor."""
+    import bench_decode
+
+    if not os.environ.get("GSM8K_DIR"):
+        pytest.fail("bench_decode reads GSM8K prompts: set GSM8K_DIR to a local copy of openai/gsm8k")
+    report = bench_decode.main(["--model", "tiny", "--sampled", "2x2", "--greedy", "", "--caps", "5",
+                                "--repeats", "2", "--precisions", "fp32,bf16", "--out-dir", str(tmp_path),
+                                "--name", "smoke_bf16"])
+    assert [r["precision"] for r in report["runs"]] == ["fp32", "bf16"] * 2  # A B A B
+    assert {r["precision"]: r["runs"] for r in report["summary"]} == {"fp32": 2, "bf16": 2}
+    assert report["mm_gflops_bf16"] > 0 and all(r["tok_s_q1_med_q3"][1] > 0 for r in report["summary"])
+    with pytest.raises(ValueError, match="--precisions"):
+        bench_decode.main(["--model", "tiny", "--precisions", "fp16", "--out-dir", str(tmp_path)])
+
+
 def test_eval_split_benchmark_times_both_ways_and_checks_their_answers(tmp_path):
     """bench_eval_split at a tiny size: one process and the 2-worker split, timed in turn, with the
     share of greedy answers that agree (a tiny model decodes the same either way)."""
@@ -323,3 +356,34 @@ def test_eval_plan_benchmark_compares_two_batch_sizes_of_one_checkout(tmp_path):
     assert report["batch_size"] == {"before": 4, "after": 3}
     rss = report["worker_peak_rss_gb"]
     assert all(0.1 < rss[way] < 20 for way in ("before", "after")), rss
+
+
+def test_rollout_gap_figures_by_hand():
+    """bench_rollout_gap's report on a hand-made gap: two completions, log-ratio sums 1.5 and -0.5."""
+    import bench_rollout_gap
+    import torch
+
+    old = torch.tensor([[-1.0, -1.0, -7.0], [-2.0, -1.0, -1.0]])
+    sampler = torch.tensor([[-2.0, -1.5, 0.0], [-1.5, -1.0, -1.0]])  # the third token of row 0 is off the mask
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    r = bench_rollout_gap.gap_report(old, sampler, mask, cap=3.0)
+    assert (r["tokens"], r["completions"]) == (5, 2)
+    assert r["gap_mean"] == pytest.approx(2.0 / 5) and r["gap_max"] == pytest.approx(1.0)
+    assert r["signed_mean"] == pytest.approx(1.0 / 5)
+    assert r["seq_logratio_quantiles"]["0.5"] == pytest.approx(0.5)  # the median of 1.5 and -0.5
+    # token ratios e^1, e^0.5, e^-0.5, 1, 1: none above 3; sequence ratios e^1.5 = 4.48 > 3 and e^-0.5
+    assert r["modes"]["token_truncate"]["capped_token_frac"] == 0.0
+    assert r["modes"]["sequence_mask"] == {"capped_token_frac": pytest.approx(2 / 5), "completions_zeroed": 1}
+    assert r["modes"]["sequence_truncate"]["completions_zeroed"] is None
+
+
+def test_rollout_gap_benchmark_runs_the_bf16_engine_and_writes_its_report(tmp_path):
+    import bench_rollout_gap
+
+    if not os.environ.get("GSM8K_DIR"):
+        pytest.fail("bench_rollout_gap reads GSM8K prompts: set GSM8K_DIR to a local copy of openai/gsm8k")
+    report = bench_rollout_gap.main(["--model", "tiny", "--sampled", "2x2", "--cap", "5", "--out-dir", str(tmp_path),
+                                     "--name", "smoke"])
+    assert report["completions"] == 4 and 0 < report["tokens"] <= 20
+    assert report["gap_mean"] > 0 and set(report["modes"]) == set(bench_rollout_gap.MODES)
+    assert json.loads((tmp_path / "smoke.json").read_text())["gap_mean"] == report["gap_mean"]
