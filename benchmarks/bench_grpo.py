@@ -5,6 +5,8 @@
     .venv/bin/python benchmarks/bench_grpo.py --quick             # smoke run: tiny, ours only, seconds
     .venv/bin/python benchmarks/bench_grpo.py --configs smollm2 --threads 2 --iters 3 --warmup 1 \
         --repeats 2 --timeout 2400                                # the real model (SMOLLM2 below)
+    .venv/bin/python benchmarks/bench_grpo.py --configs smollm2 --sides ours,ours+bf16,trl --threads 2 \
+        --iters 3 --warmup 1 --repeats 2 --timeout 2400           # + ours sampling from a bf16 copy
 
 Each side runs in its own worker process (so its peak RSS is that side's alone). All sides of a
 run start together and then go in lockstep, one iteration at a time (ours, TRL, then TRL, ours,
@@ -35,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # grpo_core, lockstep, trl_runner (also as a plain script)
@@ -76,8 +79,10 @@ CONFIGS.update({
 })
 # The same shape with our rollouts sampled from a bfloat16 copy of the policy
 # (sampling.rollout_precision = "bf16"; the gap measured, rollout_is "none" as bf16 needs); TRL stays fp32.
+BF16_ROLLOUTS = {"sampling": {"rollout_precision": "bf16"}, "loss": {"rollout_is": "none"}}
+"""Our settings for sampling from the bf16 copy: the config below, and any side with a '+bf16' suffix."""
 CONFIGS["smollm2_gsm8k_bf16"] = dict(CONFIGS["smollm2_gsm8k"], ours={
-    "execution": {"micro_batch_groups": 1}, "sampling": {"rollout_precision": "bf16"}, "loss": {"rollout_is": "none"}})
+    "execution": {"micro_batch_groups": 1}, **BF16_ROLLOUTS})
 # A config's prompts: ``task`` (default arithmetic) read with ``task_params``, on both sides in the
 # order our trainer draws them (``trl_runner._dataset``).
 COMMON = dict(beta=0.04, lr=1e-4, temperature=1.0, top_k=0, top_p=1.0, clip=0.2, max_grad_norm=1.0,
@@ -130,21 +135,35 @@ LEVERS = {"decode": "shared-prefix decode loop (else transformers generate)",
           "pack": "packed, padding-free scoring of shared prompts (else padded pieces through the model's forward)"}
 
 
-def parse_side(name: str) -> tuple[str, list[str], bool]:
-    """"ours[-<lever>...][+compile]" or "trl[+compile]" -> (kind, levers switched off, compiled).
+class Side(NamedTuple):
+    kind: str           # "ours" or "trl"
+    levers: list[str]   # our levers switched off
+    compiled: bool      # "+compile"
+    bf16: bool          # "+bf16" (ours only)
+
+
+SUFFIXES = ("compile", "bf16")
+
+
+def parse_side(name: str) -> Side:
+    """"ours[-<lever>...][+compile][+bf16]" or "trl[+compile]" -> its ``Side``.
 
     "+compile": ours with ``compile_scoring`` (torch.compile of the scoring forwards), TRL with
     ``torch_compile=True`` (HF Trainer compiles the model it trains), so both can be compared
     compiled too. The first iterations compile: raise ``--warmup`` to keep them out of the timing.
+    "+bf16": ours sampling from the bfloat16 copy (``BF16_ROLLOUTS``), so one lockstep run times
+    ours in fp32, ours in bf16 and TRL side by side.
     """
-    base, plus, extra = name.partition("+")
+    base, *extras = name.split("+")
     kind, *levers = base.split("-")
-    if kind not in ("ours", "trl") or (plus and extra != "compile") or (kind == "trl" and levers):
-        raise SystemExit(f"unknown side {name!r}: use ours[-<lever>...][+compile] or trl[+compile]")
+    bad = (kind not in ("ours", "trl") or (kind == "trl" and (levers or "bf16" in extras))
+           or len(set(extras)) != len(extras) or any(e not in SUFFIXES for e in extras))
+    if bad:
+        raise SystemExit(f"unknown side {name!r}: use ours[-<lever>...][+compile][+bf16] or trl[+compile]")
     unknown = [lv for lv in levers if lv not in LEVERS]
     if unknown:
         raise SystemExit(f"unknown lever {unknown[0]!r} in side {name!r}; known: {sorted(LEVERS)}")
-    return kind, levers, bool(plus)
+    return Side(kind, levers, "compile" in extras, "bf16" in extras)
 
 
 def disable_levers(names: list[str]) -> None:
@@ -251,10 +270,11 @@ def worker(args) -> dict:
     t0 = time.perf_counter()
     gate = lambda: print(READY, flush=True) or sys.stdin.readline()  # noqa: E731  (idle until "go")
     emit = lambda row: print(ITER + json.dumps(row), flush=True)  # noqa: E731
-    kind, levers, compiled = parse_side(args.worker)
+    kind, levers, compiled, bf16 = parse_side(args.worker)
     if kind == "ours":
         disable_levers(levers)
-        rows = run_ours(spec, args.model_dir, args.iters, args.warmup, gate, emit, compile_scoring=compiled)
+        rows = run_ours(spec, args.model_dir, args.iters, args.warmup, gate, emit, compile_scoring=compiled,
+                        overrides=BF16_ROLLOUTS if bf16 else None)
     else:
         from trl_runner import run_trl
 
@@ -306,7 +326,8 @@ def main(argv=None) -> dict:
     p.add_argument("--sides", default="ours,trl",
                    help="comma list run in lockstep: ours, trl, or ours-<lever>[-<lever>] to switch "
                         f"levers off: {', '.join(f'{k} = {v}' for k, v in LEVERS.items())}; a '+compile' "
-                        "suffix (ours+compile, trl+compile) runs that side with torch.compile")
+                        "suffix (ours+compile, trl+compile) runs that side with torch.compile, '+bf16' "
+                        "(ours+bf16) samples ours from a bfloat16 copy of the policy (rollout_is none)")
     p.add_argument("--iters", type=int, default=8, help="measured iterations per run")
     p.add_argument("--warmup", type=int, default=2, help="iterations per run excluded from the timing")
     p.add_argument("--repeats", type=int, default=3, help="runs per side and config (alternated)")

@@ -59,14 +59,18 @@ def test_same_prompts_compares_every_iteration_of_every_run():
     assert lockstep.same_prompts({"ours": [run(a, "x")], "trl": [run(a, None)]}) is None
 
 
-@pytest.mark.parametrize("name,parsed", [("ours", ("ours", [], False)), ("trl", ("trl", [], False)),
-                                         ("ours-score-chunks", ("ours", ["score", "chunks"], False)),
-                                         ("ours+compile", ("ours", [], True)), ("trl+compile", ("trl", [], True))])
+@pytest.mark.parametrize("name,parsed", [("ours", ("ours", [], False, False)), ("trl", ("trl", [], False, False)),
+                                         ("ours-score-chunks", ("ours", ["score", "chunks"], False, False)),
+                                         ("ours+compile", ("ours", [], True, False)),
+                                         ("trl+compile", ("trl", [], True, False)),
+                                         ("ours+bf16", ("ours", [], False, True)),
+                                         ("ours-pack+compile+bf16", ("ours", ["pack"], True, True))])
 def test_side_names_parse(name, parsed):
     assert bench_grpo.parse_side(name) == parsed
 
 
-@pytest.mark.parametrize("name", ["ours-fast", "trl-score", "ours+jit", "tlr", "ours+"])
+@pytest.mark.parametrize("name", ["ours-fast", "trl-score", "ours+jit", "tlr", "ours+", "trl+bf16",
+                                  "ours+bf16+bf16"])
 def test_bad_side_names_fail_before_any_worker_starts(name):
     with pytest.raises(SystemExit, match="side"):
         bench_grpo.main(["--configs", "quick", "--sides", f"ours,{name}"])
@@ -142,6 +146,19 @@ def test_the_bf16_rollout_config_samples_from_the_copy_and_records_the_gap(tmp_p
     assert "rollout_logp_gap_mean" not in plain[0] and "rollout_logp_gap_mean" not in bench_grpo.summarize(plain, 0)
 
 
+def test_a_bf16_side_samples_from_the_copy_beside_the_fp32_side_in_one_lockstep_run(tmp_path):
+    """``--sides ours,ours+bf16``: both workers run the same config and prompts; only the '+bf16'
+    side samples from the copy, so only its summary carries the log-prob gap."""
+    report = bench_grpo.main(["--configs", "quick", "--sides", "ours,ours+bf16", "--iters", "1", "--warmup", "0",
+                              "--repeats", "1", "--out-dir", str(tmp_path), "--name", "bf16_side"])
+    quick = report["configs"]["quick"]
+    assert quick["same_prompts"] is True
+    fp32, bf16 = quick["runs"]["ours"][0], quick["runs"]["ours+bf16"][0]
+    assert "rollout_logp_gap_mean" not in fp32
+    assert bf16["rollout_logp_gap_mean"][0] > 1e-4 and bf16["side"] == "ours+bf16"
+    assert (tmp_path / "bf16_side.json").exists()
+
+
 def test_the_gsm8k_shaped_config_gives_both_sides_the_same_easy_gsm8k_prompts(tmp_path):
     """A config's ``task`` and ``task_params`` (``smollm2_gsm8k``'s: GSM8K problems of <= 2 steps)
     reach both sides: the same prompts step by step, and they are those problems."""
@@ -209,7 +226,7 @@ def test_fsdp2_bench_runs_both_sides_on_a_tiny_model(monkeypatch, tmp_path):
 def test_head_lever_switches_the_chunked_lm_head_off(monkeypatch):
     from grpo_core.policy import scoring
     monkeypatch.setattr(scoring, "HEAD_CHUNK", scoring.HEAD_CHUNK)  # restored after the test
-    assert bench_grpo.parse_side("ours-head") == ("ours", ["head"], False)
+    assert bench_grpo.parse_side("ours-head") == ("ours", ["head"], False, False)
     bench_grpo.disable_levers(["head"])
     assert scoring.HEAD_CHUNK == 0
 
@@ -217,7 +234,7 @@ def test_head_lever_switches_the_chunked_lm_head_off(monkeypatch):
 def test_pack_lever_switches_packed_scoring_off(monkeypatch):
     from grpo_core.policy import scoring
     monkeypatch.setattr(scoring, "PACKED", scoring.PACKED)  # restored after the test
-    assert scoring.PACKED and bench_grpo.parse_side("ours-pack") == ("ours", ["pack"], False)
+    assert scoring.PACKED and bench_grpo.parse_side("ours-pack") == ("ours", ["pack"], False, False)
     bench_grpo.disable_levers(["pack"])
     assert scoring.PACKED is False
 
