@@ -109,6 +109,18 @@ def sample_inverse_cdf(probs):
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)  # [b]
 
 
+def _draw(logits, *, greedy: bool, temperature: float, top_k: int, top_p: float, sampler: str, with_logp: bool):
+    """One decode step's next token per row [b] from its logits [b, V]; with ``with_logp`` (sampling
+    only) also its log-prob under softmax(logits / temperature) [b], else None."""
+    if greedy:
+        return logits.argmax(-1), None
+    probs = torch.softmax(_warp(logits, temperature, top_k, top_p), dim=-1)
+    nxt = sample_inverse_cdf(probs) if sampler == "inverse_cdf" else torch.multinomial(probs, num_samples=1).squeeze(1)
+    if not with_logp:
+        return nxt, None
+    return nxt, _scored_logp(logits, probs, nxt, temperature, filtered=bool(top_k) or top_p < 1.0)
+
+
 def _scored_logp(logits, probs, tokens, temperature: float, filtered: bool):
     """log softmax(logits / temperature) at ``tokens`` [b]: from ``probs`` (that softmax) when no
     filter changed it, else computed again without the filters."""
@@ -332,17 +344,14 @@ def sample_shared_prefix(model, ids, mask, group_size: int, *, max_new_tokens: i
         rows = torch.arange(B, device=dev)                                       # [b] rows still decoded
         unfinished = torch.ones(B, dtype=torch.bool, device=dev)                 # [b]
         loops = LoopTracker(B, loop_rule, dev) if loop_rule is not None else None
+        draw = functools.partial(_draw, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 sampler=sampler, with_logp=return_logp)
         for t in range(T):
             if step_logits is not None:
                 step_logits.append(logits.new_zeros(B, logits.shape[-1]).index_copy_(0, rows, logits))
-            if greedy:
-                nxt = logits.argmax(-1)
-            else:
-                probs = torch.softmax(_warp(logits, temperature, top_k, top_p), dim=-1)
-                nxt = (sample_inverse_cdf(probs) if sampler == "inverse_cdf"
-                       else torch.multinomial(probs, num_samples=1).squeeze(1))  # [b]
-                if logp is not None:
-                    logp[rows, t] = _scored_logp(logits, probs, nxt, temperature, filtered=bool(top_k) or top_p < 1.0)
+            nxt, nxt_logp = draw(logits)                                         # [b], [b] or None
+            if nxt_logp is not None:
+                logp[rows, t] = nxt_logp
             nxt = torch.where(unfinished, nxt, pad_id)
             tokens[rows, t] = nxt
             unfinished &= (nxt != stop[0]) if len(stop) == 1 else ~torch.isin(nxt, stop)
