@@ -89,6 +89,10 @@ COMMON = dict(beta=0.04, lr=1e-4, temperature=1.0, top_k=0, top_p=1.0, clip=0.2,
               loss_type="dapo", seed=0)
 
 
+GAP_KEYS = ("rollout_logp_gap_mean", "rollout_is_capped_frac")
+"""The trainer's metrics of a side sampling from a copy of the weights, carried per iteration and summarized."""
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
@@ -106,7 +110,7 @@ def summarize(per_iter: list[dict], warmup: int) -> dict:
            "all_s_per_iter": [round(r["total"], 4) for r in per_iter],
            "iter_wall": [r["wall"] for r in per_iter if "wall" in r],  # [start, end] Unix times: the lockstep
            "prompt_digests": [r.get("prompts") for r in per_iter]}
-    for k in ("rollout_logp_gap_mean", "rollout_is_capped_frac"):  # a side that samples from a copy
+    for k in GAP_KEYS:  # a side that samples from a copy
         if any(k in r for r in per_iter):
             out[k] = [r.get(k) for r in per_iter]
     return out
@@ -254,7 +258,7 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
                      "update_flops": update_flops(trainer.policy.model, batch),
                      "prompts": prompts_digest(render_prompts(trainer.policy.tok, batch.prompts)),
                      "reward_mean": m["reward"], "kl": m["kl"],
-                     **{k: m[k] for k in ("rollout_logp_gap_mean", "rollout_is_capped_frac") if k in m}})
+                     **{k: m[k] for k in GAP_KEYS if k in m}})
         if emit:
             emit(rows[-1])
     return rows
