@@ -109,7 +109,8 @@ def summarize(per_iter: list[dict], warmup: int) -> dict:
            "iters_measured": len(kept), "iters_warmup": len(per_iter) - len(kept),
            "all_s_per_iter": [round(r["total"], 4) for r in per_iter],
            "iter_wall": [r["wall"] for r in per_iter if "wall" in r],  # [start, end] Unix times: the lockstep
-           "prompt_digests": [r.get("prompts") for r in per_iter]}
+           "prompt_digests": [r.get("prompts") for r in per_iter],
+           "precisions": per_iter[-1].get("precisions")}  # ours: execution and rollout precision
     for k in GAP_KEYS:  # a side that samples from a copy
         if any(k in r for r in per_iter):
             out[k] = [r.get(k) for r in per_iter]
@@ -140,34 +141,38 @@ LEVERS = {"decode": "shared-prefix decode loop (else transformers generate)",
 
 
 class Side(NamedTuple):
-    kind: str           # "ours" or "trl"
-    levers: list[str]   # our levers switched off
-    compiled: bool      # "+compile"
-    bf16: bool          # "+bf16" (ours only)
+    kind: str                # "ours" or "trl"
+    levers: list[str]        # our levers switched off
+    compiled: bool           # "+compile"
+    settings: tuple = ()     # our settings suffixes ("+bf16", "+autocast"), keys of OUR_SETTINGS
 
 
-SUFFIXES = ("compile", "bf16")
+OUR_SETTINGS = {"bf16": BF16_ROLLOUTS, "autocast": {"execution": {"precision": "bf16"}}}
+"""Suffixes that run our side with other settings (ours only): "+bf16" samples from the bfloat16
+copy of the policy; "+autocast" runs rollouts, scoring and the update under bf16 autocast
+(``execution.precision = "bf16"``). The two exclude each other, as the config does."""
 
 
 def parse_side(name: str) -> Side:
-    """"ours[-<lever>...][+compile][+bf16]" or "trl[+compile]" -> its ``Side``.
+    """"ours[-<lever>...][+compile][+bf16|+autocast]" or "trl[+compile]" -> its ``Side``.
 
     "+compile": ours with ``compile_scoring`` (torch.compile of the scoring forwards), TRL with
     ``torch_compile=True`` (HF Trainer compiles the model it trains), so both can be compared
     compiled too. The first iterations compile: raise ``--warmup`` to keep them out of the timing.
-    "+bf16": ours sampling from the bfloat16 copy (``BF16_ROLLOUTS``), so one lockstep run times
-    ours in fp32, ours in bf16 and TRL side by side.
+    "+bf16", "+autocast": ``OUR_SETTINGS``, so one lockstep run times ours in fp32, ours with a
+    precision lever and TRL side by side.
     """
     base, *extras = name.split("+")
     kind, *levers = base.split("-")
-    bad = (kind not in ("ours", "trl") or (kind == "trl" and (levers or "bf16" in extras))
-           or len(set(extras)) != len(extras) or any(e not in SUFFIXES for e in extras))
+    settings = tuple(e for e in extras if e in OUR_SETTINGS)
+    bad = (kind not in ("ours", "trl") or (kind == "trl" and (levers or settings)) or len(settings) > 1
+           or len(set(extras)) != len(extras) or any(e != "compile" and e not in OUR_SETTINGS for e in extras))
     if bad:
-        raise SystemExit(f"unknown side {name!r}: use ours[-<lever>...][+compile][+bf16] or trl[+compile]")
+        raise SystemExit(f"unknown side {name!r}: use ours[-<lever>...][+compile][+bf16|+autocast] or trl[+compile]")
     unknown = [lv for lv in levers if lv not in LEVERS]
     if unknown:
         raise SystemExit(f"unknown lever {unknown[0]!r} in side {name!r}; known: {sorted(LEVERS)}")
-    return Side(kind, levers, "compile" in extras, "bf16" in extras)
+    return Side(kind, levers, "compile" in extras, settings)
 
 
 def disable_levers(names: list[str]) -> None:
@@ -258,6 +263,7 @@ def run_ours(spec: dict, model_dir: str, iters: int, warmup: int, gate=None, emi
                      "update_flops": update_flops(trainer.policy.model, batch),
                      "prompts": prompts_digest(render_prompts(trainer.policy.tok, batch.prompts)),
                      "reward_mean": m["reward"], "kl": m["kl"],
+                     "precisions": {"execution": cfg.execution.precision, "rollout": cfg.sampling.rollout_precision},
                      **{k: m[k] for k in GAP_KEYS if k in m}})
         if emit:
             emit(rows[-1])
@@ -274,11 +280,11 @@ def worker(args) -> dict:
     t0 = time.perf_counter()
     gate = lambda: print(READY, flush=True) or sys.stdin.readline()  # noqa: E731  (idle until "go")
     emit = lambda row: print(ITER + json.dumps(row), flush=True)  # noqa: E731
-    kind, levers, compiled, bf16 = parse_side(args.worker)
+    kind, levers, compiled, settings = parse_side(args.worker)
     if kind == "ours":
         disable_levers(levers)
         rows = run_ours(spec, args.model_dir, args.iters, args.warmup, gate, emit, compile_scoring=compiled,
-                        overrides=BF16_ROLLOUTS if bf16 else None)
+                        overrides=OUR_SETTINGS[settings[0]] if settings else None)
     else:
         from trl_runner import run_trl
 
@@ -330,8 +336,9 @@ def main(argv=None) -> dict:
     p.add_argument("--sides", default="ours,trl",
                    help="comma list run in lockstep: ours, trl, or ours-<lever>[-<lever>] to switch "
                         f"levers off: {', '.join(f'{k} = {v}' for k, v in LEVERS.items())}; a '+compile' "
-                        "suffix (ours+compile, trl+compile) runs that side with torch.compile, '+bf16' "
-                        "(ours+bf16) samples ours from a bfloat16 copy of the policy (rollout_is none)")
+                        "suffix (ours+compile, trl+compile) runs that side with torch.compile; '+bf16' samples "
+                        "ours from a bfloat16 copy of the policy (rollout_is none), '+autocast' runs ours under "
+                        "bf16 autocast (execution.precision bf16)")
     p.add_argument("--iters", type=int, default=8, help="measured iterations per run")
     p.add_argument("--warmup", type=int, default=2, help="iterations per run excluded from the timing")
     p.add_argument("--repeats", type=int, default=3, help="runs per side and config (alternated)")

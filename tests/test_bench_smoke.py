@@ -59,18 +59,20 @@ def test_same_prompts_compares_every_iteration_of_every_run():
     assert lockstep.same_prompts({"ours": [run(a, "x")], "trl": [run(a, None)]}) is None
 
 
-@pytest.mark.parametrize("name,parsed", [("ours", ("ours", [], False, False)), ("trl", ("trl", [], False, False)),
-                                         ("ours-score-chunks", ("ours", ["score", "chunks"], False, False)),
-                                         ("ours+compile", ("ours", [], True, False)),
-                                         ("trl+compile", ("trl", [], True, False)),
-                                         ("ours+bf16", ("ours", [], False, True)),
-                                         ("ours-pack+compile+bf16", ("ours", ["pack"], True, True))])
+@pytest.mark.parametrize("name,parsed", [("ours", ("ours", [], False, ())), ("trl", ("trl", [], False, ())),
+                                         ("ours-score-chunks", ("ours", ["score", "chunks"], False, ())),
+                                         ("ours+compile", ("ours", [], True, ())),
+                                         ("trl+compile", ("trl", [], True, ())),
+                                         ("ours+bf16", ("ours", [], False, ("bf16",))),
+                                         ("ours+autocast", ("ours", [], False, ("autocast",))),
+                                         ("ours-pack+compile+bf16", ("ours", ["pack"], True, ("bf16",)))])
 def test_side_names_parse(name, parsed):
     assert bench_grpo.parse_side(name) == parsed
 
 
 @pytest.mark.parametrize("name", ["ours-fast", "trl-score", "ours+jit", "tlr", "ours+", "trl+bf16",
-                                  "ours+bf16+bf16"])
+                                  "ours+bf16+bf16",
+                                  "ours+bf16+autocast", "trl+autocast"])
 def test_bad_side_names_fail_before_any_worker_starts(name):
     with pytest.raises(SystemExit, match="side"):
         bench_grpo.main(["--configs", "quick", "--sides", f"ours,{name}"])
@@ -146,16 +148,20 @@ def test_the_bf16_rollout_config_samples_from_the_copy_and_records_the_gap(tmp_p
     assert "rollout_logp_gap_mean" not in plain[0] and "rollout_logp_gap_mean" not in bench_grpo.summarize(plain, 0)
 
 
-def test_a_bf16_side_samples_from_the_copy_beside_the_fp32_side_in_one_lockstep_run(tmp_path):
-    """``--sides ours,ours+bf16``: both workers run the same config and prompts; only the '+bf16'
-    side samples from the copy, so only its summary carries the log-prob gap."""
-    report = bench_grpo.main(["--configs", "quick", "--sides", "ours,ours+bf16", "--iters", "1", "--warmup", "0",
-                              "--repeats", "1", "--out-dir", str(tmp_path), "--name", "bf16_side"])
+def test_precision_sides_run_their_settings_beside_the_fp32_side_in_one_lockstep_run(tmp_path):
+    """``--sides ours,ours+bf16,ours+autocast``: the workers run the same config and prompts, each
+    with its own precisions; only the '+bf16' side samples from the copy, so only its summary
+    carries the log-prob gap."""
+    report = bench_grpo.main(["--configs", "quick", "--sides", "ours,ours+bf16,ours+autocast", "--iters", "1",
+                              "--warmup", "0", "--repeats", "1", "--out-dir", str(tmp_path), "--name", "bf16_side"])
     quick = report["configs"]["quick"]
     assert quick["same_prompts"] is True
-    fp32, bf16 = quick["runs"]["ours"][0], quick["runs"]["ours+bf16"][0]
-    assert "rollout_logp_gap_mean" not in fp32
-    assert bf16["rollout_logp_gap_mean"][0] > 1e-4 and bf16["side"] == "ours+bf16"
+    runs = {side: rs[0] for side, rs in quick["runs"].items()}
+    assert {side: r["precisions"] for side, r in runs.items()} == {
+        "ours": {"execution": "fp32", "rollout": "fp32"}, "ours+bf16": {"execution": "fp32", "rollout": "bf16"},
+        "ours+autocast": {"execution": "bf16", "rollout": "fp32"}}
+    assert "rollout_logp_gap_mean" not in runs["ours"] and "rollout_logp_gap_mean" not in runs["ours+autocast"]
+    assert runs["ours+bf16"]["rollout_logp_gap_mean"][0] > 1e-4
     assert (tmp_path / "bf16_side.json").exists()
 
 
@@ -226,7 +232,7 @@ def test_fsdp2_bench_runs_both_sides_on_a_tiny_model(monkeypatch, tmp_path):
 def test_head_lever_switches_the_chunked_lm_head_off(monkeypatch):
     from grpo_core.policy import scoring
     monkeypatch.setattr(scoring, "HEAD_CHUNK", scoring.HEAD_CHUNK)  # restored after the test
-    assert bench_grpo.parse_side("ours-head") == ("ours", ["head"], False, False)
+    assert bench_grpo.parse_side("ours-head") == ("ours", ["head"], False, ())
     bench_grpo.disable_levers(["head"])
     assert scoring.HEAD_CHUNK == 0
 
@@ -234,7 +240,7 @@ def test_head_lever_switches_the_chunked_lm_head_off(monkeypatch):
 def test_pack_lever_switches_packed_scoring_off(monkeypatch):
     from grpo_core.policy import scoring
     monkeypatch.setattr(scoring, "PACKED", scoring.PACKED)  # restored after the test
-    assert scoring.PACKED and bench_grpo.parse_side("ours-pack") == ("ours", ["pack"], False, False)
+    assert scoring.PACKED and bench_grpo.parse_side("ours-pack") == ("ours", ["pack"], False, ())
     bench_grpo.disable_levers(["pack"])
     assert scoring.PACKED is False
 
