@@ -239,6 +239,15 @@ def summarize(records: list[dict], floor_tok_s: float) -> list[dict]:
     return out
 
 
+def write_report(report: dict, out_dir, name: str) -> Path:
+    """``report`` as ``<out_dir>/<name>.json`` (indented; the folder made if missing), and where."""
+    out = Path(out_dir) / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="load_policy name, or 'tiny' (smoke)")
@@ -278,10 +287,7 @@ def main(argv=None) -> dict:
               "mm_gflops_bf16": rate_bf16 and round(rate_bf16, 1),
               "params": n_params, "floor_tok_s": round(floor, 1), "summary": rows,
               "runs": [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()} for r in records]}
-    out = Path(args.out_dir) / f"{args.name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    write_report(report, args.out_dir, args.name)
     return report
 
 

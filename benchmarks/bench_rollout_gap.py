@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 RESULTS = ROOT / "benchmarks" / "results"
 
-from bench_decode import gsm8k_rows, load_model, parse_shapes  # noqa: E402
+from bench_decode import gsm8k_rows, load_model, parse_shapes, write_report  # noqa: E402
 
 MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
@@ -81,10 +81,7 @@ def main(argv=None) -> dict:
               "is_cap": args.is_cap, "seed": args.seed,
               **gap_report(old, batch.sampler_logp, batch.completion_mask, args.is_cap)}
     print(json.dumps(report, indent=1))
-    out = Path(args.out_dir) / f"{args.name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    write_report(report, args.out_dir, args.name)
     return report
 
 
