@@ -190,7 +190,7 @@ class ExecutionSettings:
     (torch.autocast to bfloat16 with float32 weights, AdamW state, log-softmax and loss math:
     TRL/accelerate's ``bf16=True``). bf16 is for GPUs with bfloat16 tensor cores (A100, H100, ...);
     on CPU the weight casts and bf16 attention eat most of the gain, the update's all of it
-    (benchmarks/NOTES.md): there, sampling.rollout_precision = "bf16" is the lever that pays. Sampling and
+    (benchmarks/NOTES.md; sampling.rollout_precision = "bf16" speeds the rollouts alone). Sampling and
     scoring then both see bf16 logits (~1e-2 from fp32's); the on-policy ratio is still exactly 1
     (mu = 1)."""
     parallelism: str = "ddp"
