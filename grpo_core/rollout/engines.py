@@ -107,6 +107,10 @@ class InProcessEngine:
     read them, mean the same at either precision."""
 
     def __init__(self, tok, mode: str = "auto", precision: str = "fp32"):
+        if mode == "generate" and precision != "fp32":
+            raise ValueError("rollout_precision = 'bf16' needs the shared-prefix decoder; the 'generate' engine "
+                             "samples with the policy itself: use rollout_engine = 'decoder' or "
+                             "rollout_precision = 'fp32'")
         self.tok, self.mode, self.model, self.sampler = tok, mode, None, None
         self.copy = Bf16Copy() if precision == "bf16" else None
 
@@ -187,7 +191,7 @@ def _precision(spec: EngineSpec | None) -> str:
 ENGINES = {
     "auto": lambda tok, spec: InProcessEngine(tok, "auto", _precision(spec)),
     "decoder": lambda tok, spec: InProcessEngine(tok, "decoder", _precision(spec)),
-    "generate": lambda tok, spec: InProcessEngine(tok, "generate"),
+    "generate": lambda tok, spec: InProcessEngine(tok, "generate", _precision(spec)),
     "vllm": _vllm,
 }
 
@@ -195,10 +199,7 @@ ENGINES = {
 def build(name: str, tok, config_or_spec=None) -> RolloutEngine:
     """The engine ``name`` names (a stage's ``rollout_engine`` or ``evaluate.engine``, validated
     against ``ENGINES`` at config load), from a stage's ``GRPOConfig`` or an ``EngineSpec`` (the
-    vllm engine needs one; auto and decoder read its ``rollout_precision``, fp32 without one)."""
-    spec = config_or_spec if config_or_spec is None or isinstance(config_or_spec, EngineSpec) \
-        else EngineSpec.of_stage(config_or_spec)
-    if name == "generate" and _precision(spec) != "fp32":
-        raise ValueError("rollout_precision = 'bf16' needs the shared-prefix decoder; the 'generate' engine "
-                         "samples with the policy itself: use rollout_engine = 'decoder' or rollout_precision = 'fp32'")
+    vllm engine needs one; the in-process engines read its ``rollout_precision``, fp32 without one)."""
+    c = config_or_spec
+    spec = c if c is None or isinstance(c, EngineSpec) else EngineSpec.of_stage(c)
     return ENGINES[name](tok, spec)
