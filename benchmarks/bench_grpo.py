@@ -144,7 +144,7 @@ class Side(NamedTuple):
     kind: str                # "ours" or "trl"
     levers: list[str]        # our levers switched off
     compiled: bool           # "+compile"
-    settings: tuple = ()     # our settings suffixes ("+bf16", "+autocast"), keys of OUR_SETTINGS
+    setting: str | None = None  # our settings suffix ("bf16" or "autocast"), a key of OUR_SETTINGS
 
 
 OUR_SETTINGS = {"bf16": BF16_ROLLOUTS, "autocast": {"execution": {"precision": "bf16"}}}
@@ -164,7 +164,7 @@ def parse_side(name: str) -> Side:
     """
     base, *extras = name.split("+")
     kind, *levers = base.split("-")
-    settings = tuple(e for e in extras if e in OUR_SETTINGS)
+    settings = [e for e in extras if e in OUR_SETTINGS]
     bad = (kind not in ("ours", "trl") or (kind == "trl" and (levers or settings)) or len(settings) > 1
            or len(set(extras)) != len(extras) or any(e != "compile" and e not in OUR_SETTINGS for e in extras))
     if bad:
@@ -172,7 +172,7 @@ def parse_side(name: str) -> Side:
     unknown = [lv for lv in levers if lv not in LEVERS]
     if unknown:
         raise SystemExit(f"unknown lever {unknown[0]!r} in side {name!r}; known: {sorted(LEVERS)}")
-    return Side(kind, levers, "compile" in extras, settings)
+    return Side(kind, levers, "compile" in extras, settings[0] if settings else None)
 
 
 def disable_levers(names: list[str]) -> None:
@@ -280,11 +280,11 @@ def worker(args) -> dict:
     t0 = time.perf_counter()
     gate = lambda: print(READY, flush=True) or sys.stdin.readline()  # noqa: E731  (idle until "go")
     emit = lambda row: print(ITER + json.dumps(row), flush=True)  # noqa: E731
-    kind, levers, compiled, settings = parse_side(args.worker)
+    kind, levers, compiled, setting = parse_side(args.worker)
     if kind == "ours":
         disable_levers(levers)
         rows = run_ours(spec, args.model_dir, args.iters, args.warmup, gate, emit, compile_scoring=compiled,
-                        overrides=OUR_SETTINGS[settings[0]] if settings else None)
+                        overrides=OUR_SETTINGS.get(setting))
     else:
         from trl_runner import run_trl
 

@@ -59,13 +59,13 @@ def test_same_prompts_compares_every_iteration_of_every_run():
     assert lockstep.same_prompts({"ours": [run(a, "x")], "trl": [run(a, None)]}) is None
 
 
-@pytest.mark.parametrize("name,parsed", [("ours", ("ours", [], False, ())), ("trl", ("trl", [], False, ())),
-                                         ("ours-score-chunks", ("ours", ["score", "chunks"], False, ())),
-                                         ("ours+compile", ("ours", [], True, ())),
-                                         ("trl+compile", ("trl", [], True, ())),
-                                         ("ours+bf16", ("ours", [], False, ("bf16",))),
-                                         ("ours+autocast", ("ours", [], False, ("autocast",))),
-                                         ("ours-pack+compile+bf16", ("ours", ["pack"], True, ("bf16",)))])
+@pytest.mark.parametrize("name,parsed", [("ours", ("ours", [], False, None)), ("trl", ("trl", [], False, None)),
+                                         ("ours-score-chunks", ("ours", ["score", "chunks"], False, None)),
+                                         ("ours+compile", ("ours", [], True, None)),
+                                         ("trl+compile", ("trl", [], True, None)),
+                                         ("ours+bf16", ("ours", [], False, "bf16")),
+                                         ("ours+autocast", ("ours", [], False, "autocast")),
+                                         ("ours-pack+compile+bf16", ("ours", ["pack"], True, "bf16"))])
 def test_side_names_parse(name, parsed):
     assert bench_grpo.parse_side(name) == parsed
 
@@ -232,7 +232,7 @@ def test_fsdp2_bench_runs_both_sides_on_a_tiny_model(monkeypatch, tmp_path):
 def test_head_lever_switches_the_chunked_lm_head_off(monkeypatch):
     from grpo_core.policy import scoring
     monkeypatch.setattr(scoring, "HEAD_CHUNK", scoring.HEAD_CHUNK)  # restored after the test
-    assert bench_grpo.parse_side("ours-head") == ("ours", ["head"], False, ())
+    assert bench_grpo.parse_side("ours-head") == ("ours", ["head"], False, None)
     bench_grpo.disable_levers(["head"])
     assert scoring.HEAD_CHUNK == 0
 
@@ -240,7 +240,7 @@ def test_head_lever_switches_the_chunked_lm_head_off(monkeypatch):
 def test_pack_lever_switches_packed_scoring_off(monkeypatch):
     from grpo_core.policy import scoring
     monkeypatch.setattr(scoring, "PACKED", scoring.PACKED)  # restored after the test
-    assert scoring.PACKED and bench_grpo.parse_side("ours-pack") == ("ours", ["pack"], False, ())
+    assert scoring.PACKED and bench_grpo.parse_side("ours-pack") == ("ours", ["pack"], False, None)
     bench_grpo.disable_levers(["pack"])
     assert scoring.PACKED is False
 
